@@ -16,7 +16,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from diffusion_embedder.backbones import SUPPORTED_MODEL_TYPES, load_backbone
-    from diffusion_embedder.encoder import LLM2Vec, Encoder
+    from diffusion_embedder.encoder import Encoder, LLM2Vec
 
 
 def __getattr__(name: str):

@@ -1,0 +1,185 @@
+"""Backbones: one table of supported model types, one bidirectional switch, one self-test.
+
+Bidirectional attention is transformers' own ``config.is_causal = False`` (transformers >= 5.2), set on
+the config object after loading. We never subclass private attention classes, so a transformers release
+that renames them can't silently turn an encoder causal again; the load-time self-test catches any
+path that still would.
+
+Dream is Qwen2 with bidirectional attention: its ``config.json`` is read as JSON and mapped onto a
+``Qwen2Config`` (keeping ``mask_token_id``), so no remote code is ever run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel, Qwen2Config
+from transformers.utils import cached_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    """What differs between backbones, as data rather than code."""
+
+    model_type: str
+    #: How LLM2Vec appends the EOS string for ``eos_token`` pooling; ``{eos}`` is the tokenizer's EOS.
+    eos_format: str = "{eos}"
+    #: The transformers ``model_type`` whose classes run the weights (Dream runs on Qwen2).
+    hf_model_type: str | None = None
+    #: LoRA target modules (the same 7 projections for every decoder we support).
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+BACKBONES: dict[str, BackboneSpec] = {
+    spec.model_type: spec
+    for spec in (
+        BackboneSpec("llama", eos_format=" {eos}"),
+        BackboneSpec("mistral", eos_format=" {eos}"),
+        BackboneSpec("qwen2"),
+        BackboneSpec("qwen3"),
+        BackboneSpec("gemma"),
+        BackboneSpec("gemma2"),
+        BackboneSpec("Dream", hf_model_type="qwen2"),
+    )
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(BACKBONES)
+
+#: Config keys of Dream's config.json that Qwen2Config must not see.
+_DREAM_DROP_KEYS = ("architectures", "auto_map", "model_type", "use_mrope", "transformers_version", "torch_dtype")
+
+
+class AttentionSelfTestError(RuntimeError):
+    """The model's attention is not what was asked for (bidirectional vs causal)."""
+
+
+def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
+    """config.json as plain JSON: safe for remote-code checkpoints (Dream), local folder or hub name."""
+    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else None
+    if path is None or not os.path.isfile(path):
+        path = cached_file(name_or_path, "config.json", **hub_kwargs)
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def get_spec(model_type: str) -> BackboneSpec:
+    try:
+        return BACKBONES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported model type {model_type!r}. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        ) from None
+
+
+def load_config(name_or_path: str, **hub_kwargs) -> tuple[PretrainedConfig, BackboneSpec]:
+    """The transformers config for a checkpoint and its table entry; Dream is mapped onto Qwen2."""
+    raw = read_config_dict(name_or_path, **hub_kwargs)
+    spec = get_spec(raw.get("model_type", "<missing model_type>"))
+    if spec.model_type == "Dream":
+        fields = {k: v for k, v in raw.items() if k not in _DREAM_DROP_KEYS}
+        mask_token_id = fields.pop("mask_token_id", None)
+        fields.setdefault("tie_word_embeddings", False)
+        config = Qwen2Config(**fields)
+        config.mask_token_id = mask_token_id
+        config.name_or_path = name_or_path
+    else:
+        config = AutoConfig.from_pretrained(name_or_path, **hub_kwargs)
+    return config, spec
+
+
+def load_tokenizer(name_or_path: str, spec: BackboneSpec | None = None, **hub_kwargs):
+    """The checkpoint's tokenizer; Dream's remote ``DreamTokenizer`` is Qwen2's, so Qwen2's class reads it."""
+    if spec is None:
+        spec = get_spec(read_config_dict(name_or_path, **hub_kwargs).get("model_type", "<missing>"))
+    if spec.model_type == "Dream":
+        from transformers import Qwen2Tokenizer
+
+        return Qwen2Tokenizer.from_pretrained(name_or_path, **hub_kwargs)
+    return AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
+
+
+def set_bidirectional(model: PreTrainedModel, enable: bool) -> None:
+    """Flip transformers' own causal switch on the config and, belt and braces, on each attention module."""
+    model.config.is_causal = not enable
+    model.config.use_cache = False
+    for module in model.modules():
+        if hasattr(module, "is_causal") and isinstance(module.is_causal, bool) and module is not model:
+            module.is_causal = not enable
+
+
+def check_attention(model: PreTrainedModel, expect_bidirectional: bool) -> None:
+    """Prove the attention is what was asked for, on the attention implementation in use.
+
+    Changing the last token must change the first position's output when attention is bidirectional
+    and must leave it untouched when causal. Silent causality was LLM2Vec's worst failure mode.
+    """
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[(7 * i + 11) % vocab for i in range(6)]], device=model.device)
+    changed = ids.clone()
+    changed[0, -1] = (int(ids[0, -1]) + 1) % vocab
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        first = model(input_ids=ids, use_cache=False).last_hidden_state[0, 0].float()
+        second = model(input_ids=changed, use_cache=False).last_hidden_state[0, 0].float()
+    model.train(was_training)
+    delta = ((first - second).abs().max() / first.abs().max().clamp_min(1e-12)).item()
+    tolerance = 1e-5 if first.dtype == torch.float32 and model.dtype == torch.float32 else 1e-3
+    is_bidirectional = delta > tolerance
+    if is_bidirectional != expect_bidirectional:
+        impl = model.config._attn_implementation
+        raise AttentionSelfTestError(
+            f"Attention self-test failed for {type(model).__name__} with attn_implementation={impl!r}: "
+            f"asked for {'bidirectional' if expect_bidirectional else 'causal'} attention but the first "
+            f"position {'ignores' if expect_bidirectional else 'sees'} the last token (relative change {delta:.2e}). "
+            "This transformers version or attention implementation does not honour config.is_causal; "
+            "try attn_implementation='sdpa' or 'eager', or transformers >= 5.2."
+        )
+    logger.debug("Attention self-test passed (%s, relative change %.2e)", model.config._attn_implementation, delta)
+
+
+def load_backbone(
+    name_or_path: str,
+    enable_bidirectional: bool = True,
+    torch_dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = None,
+    device_map: str | dict | None = None,
+    **kwargs,
+) -> PreTrainedModel:
+    """Load a supported decoder as an encoder trunk whose forward returns ``last_hidden_state``.
+
+    ``torch_dtype=None`` loads float32 (predictable on CPU); pass ``torch.bfloat16`` or ``"auto"`` on GPU.
+    Extra ``kwargs`` go to ``from_pretrained`` (``revision``, ``token``, ``attention_dropout``...).
+    """
+    if kwargs.get("trust_remote_code"):
+        raise ValueError("trust_remote_code is never used: every supported backbone runs on transformers' own code.")
+    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    config, spec = load_config(name_or_path, **hub_kwargs)
+    config_overrides = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in hub_kwargs}
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    config.is_causal = not enable_bidirectional
+    config.use_cache = False
+    load_kwargs = dict(kwargs, config=config, dtype=torch_dtype if torch_dtype is not None else torch.float32)
+    if attn_implementation is not None:
+        load_kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
+    model = AutoModel.from_pretrained(name_or_path, use_safetensors=True, **load_kwargs)
+    if spec.model_type == "Dream":
+        model.config.mask_token_id = config.mask_token_id
+    set_bidirectional(model, enable_bidirectional)
+    check_attention(model, expect_bidirectional=enable_bidirectional)
+    logger.info(
+        "Loaded %s (%s, %s attention, %s)",
+        name_or_path,
+        spec.model_type,
+        "bidirectional" if enable_bidirectional else "causal",
+        model.config._attn_implementation,
+    )
+    return model

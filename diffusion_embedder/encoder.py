@@ -1,0 +1,536 @@
+"""The Encoder: a bidirectional backbone, LLM2Vec's input format and a pooling head, with ``encode()``.
+
+An encoder folder holds the weights (or a LoRA adapter over a recorded base), the tokenizer,
+``llm2vec_config.json`` (LLM2Vec's four keys, so LLM2Vec reads our checkpoints) and
+``encoder_config.json`` (every setting), so ``Encoder.from_pretrained(folder)`` gives back the same vectors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+from transformers.utils import cached_file
+
+from diffusion_embedder import backbones
+from diffusion_embedder.pooling import LatentAttentionPooling, check_pooling_mode, pool
+from diffusion_embedder.templates import (
+    KNOWN_SETTINGS,
+    TextInput,
+    default_template,
+    eos_suffix_for,
+    parse_inputs,
+    render,
+)
+
+logger = logging.getLogger(__name__)
+
+ENCODER_CONFIG = "encoder_config.json"
+LLM2VEC_CONFIG = "llm2vec_config.json"
+POOLING_WEIGHTS = "pooling.safetensors"
+LLM2VEC_KEYS = ("pooling_mode", "max_length", "doc_max_length", "skip_instruction")
+HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
+
+
+@dataclass
+class EncoderConfig:
+    """Every setting that changes an embedding; saved as ``encoder_config.json``."""
+
+    base_model_name_or_path: str = ""
+    model_type: str = ""
+    pooling_mode: str = "mean"
+    max_length: int = 512
+    doc_max_length: int = 400
+    skip_instruction: bool = True
+    enable_bidirectional: bool = True
+    #: Chat wrapper with a ``{text}`` slot, applied at training and at evaluation alike.
+    prompt_template: str | None = None
+    #: Appended for ``eos_token``/``last_token`` pooling (LLM2Vec's EOS strings); None derives it.
+    eos_suffix: str | None = None
+    latent_num_latents: int = 512
+    latent_num_heads: int = 8
+    #: Adapters merged into the base before this checkpoint's own adapter (e.g. LLM2Vec's MNTP).
+    merged_adapters: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> EncoderConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"Unknown encoder setting(s) {unknown}; known: {sorted(known)}.")
+        return cls(**values)
+
+
+def find_file(name_or_path: str, filename: str, **hub_kwargs) -> str | None:
+    """Path of ``filename`` in a local folder or hub repo, or None when it isn't there."""
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, filename)
+        return path if os.path.isfile(path) else None
+    try:
+        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    except OSError:
+        return None
+
+
+def _read_json(path: str | None) -> dict:
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass
+class _Tokenized:
+    """One input after tokenization, unpadded: its ids and how many trailing tokens are the pooled span."""
+
+    input_ids: list[int]
+    span: int
+
+
+class Encoder(nn.Module):
+    """Text encoder over a (bidirectional) decoder LM. ``LLM2Vec`` is the same class."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        config: EncoderConfig | None = None,
+        latent: LatentAttentionPooling | None = None,
+        **settings,
+    ):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        config = config or EncoderConfig(
+            base_model_name_or_path=getattr(model.config, "name_or_path", ""),
+            model_type=getattr(model.config, "model_type", ""),
+        )
+        for key, value in settings.items():
+            if not hasattr(config, key):
+                raise TypeError(f"Unknown encoder setting {key!r}.")
+            setattr(config, key, value)
+        self.config = config
+        check_pooling_mode(config.pooling_mode)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"
+        if config.pooling_mode == "latent_attention" and latent is None:
+            latent = LatentAttentionPooling(
+                self.embedding_dim, config.latent_num_latents, config.latent_num_heads
+            ).to(self.device)
+        self.latent = latent
+        self._pool_workers = None
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        base_model_name_or_path: str,
+        peft_model_name_or_path: str | None = None,
+        merge_peft: bool = False,
+        enable_bidirectional: bool | None = None,
+        pooling_mode: str | None = None,
+        max_length: int | None = None,
+        doc_max_length: int | None = None,
+        skip_instruction: bool | None = None,
+        torch_dtype: torch.dtype | str | None = None,
+        attn_implementation: str | None = None,
+        device: str | torch.device | None = None,
+        prompt_template: str | None = None,
+        **kwargs,
+    ) -> Encoder:
+        """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder.
+
+        Settings come, in increasing priority, from the defaults (mean pooling, 512/400 tokens,
+        skip_instruction, bidirectional), the checkpoint's ``llm2vec_config.json`` and
+        ``encoder_config.json`` (read from the PEFT folder when one is given, as LLM2Vec does), then
+        the explicit arguments. An adapter stored inside the base folder (LLM2Vec's MNTP repos) is
+        merged first. Other ``kwargs`` (``device_map``, ``revision``, ``attention_dropout``...) go
+        to the backbone's ``from_pretrained``.
+        """
+        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        settings_dir = peft_model_name_or_path or base_model_name_or_path
+        saved = _read_json(find_file(settings_dir, ENCODER_CONFIG, **hub_kwargs))
+        config = EncoderConfig.from_dict(saved) if saved else EncoderConfig()
+        llm2vec = _read_json(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs))
+        if not saved:
+            for key in LLM2VEC_KEYS:
+                if key in llm2vec:
+                    setattr(config, key, llm2vec[key])
+        for key, value in KNOWN_SETTINGS.get(base_model_name_or_path, {}).items():
+            setattr(config, key, value)
+        explicit = {
+            "enable_bidirectional": enable_bidirectional,
+            "pooling_mode": pooling_mode,
+            "max_length": max_length,
+            "doc_max_length": doc_max_length,
+            "skip_instruction": skip_instruction,
+            "prompt_template": prompt_template,
+        }
+        for key, value in explicit.items():
+            if value is not None:
+                setattr(config, key, value)
+        check_pooling_mode(config.pooling_mode)
+
+        backbone_kwargs = dict(
+            kwargs,
+            enable_bidirectional=config.enable_bidirectional,
+            torch_dtype=torch_dtype,
+            attn_implementation=attn_implementation,
+        )
+        keep_own_adapter = peft_model_name_or_path is None and not merge_peft
+        model, tokenizer_source, names = _load_model(base_model_name_or_path, config, keep_own_adapter, backbone_kwargs)
+        spec = backbones.get_spec(config.model_type)
+        tokenizer = backbones.load_tokenizer(tokenizer_source, spec, **hub_kwargs)
+
+        if peft_model_name_or_path is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, peft_model_name_or_path, **hub_kwargs)
+            if merge_peft:
+                model = model.merge_and_unload()
+                config.merged_adapters.append(peft_model_name_or_path)
+
+        if not saved:
+            config.prompt_template = prompt_template if prompt_template is not None else default_template(names)
+        if config.eos_suffix is None and config.pooling_mode in ("eos_token", "last_token"):
+            config.eos_suffix = eos_suffix_for(names, spec.eos_format, tokenizer.eos_token)
+
+        latent = None
+        latent_path = find_file(settings_dir, POOLING_WEIGHTS, **hub_kwargs)
+        if config.pooling_mode == "latent_attention" and latent_path is not None:
+            hidden_size = model.config.hidden_size
+            latent = LatentAttentionPooling(hidden_size, config.latent_num_latents, config.latent_num_heads)
+            latent.load_state_dict(load_file(latent_path))
+
+        encoder = cls(model, tokenizer, config, latent=latent)
+        if "device_map" not in kwargs:
+            encoder.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return encoder
+
+    # ------------------------------------------------------------------ tokenization
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.model.config.hidden_size
+
+    def _eos_suffix(self) -> str:
+        if self.config.pooling_mode not in ("eos_token", "last_token"):
+            return ""
+        if self.config.eos_suffix is None:
+            spec = backbones.get_spec(self.config.model_type) if self.config.model_type else None
+            self.config.eos_suffix = eos_suffix_for(
+                [self.config.base_model_name_or_path], spec.eos_format if spec else "{eos}", self.tokenizer.eos_token
+            )
+        return self.config.eos_suffix
+
+    def _cut_texts(self, items: list[TextInput], limits: list[int]) -> list[TextInput]:
+        """Cut each text to at most ``limits[i]`` tokens at a token boundary, keeping its instruction."""
+        enc = self.tokenizer([it.text for it in items], add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for item, offsets, limit in zip(items, enc["offset_mapping"], limits, strict=True):
+            if len(offsets) > limit:
+                item = replace(item, text=item.text[: offsets[limit - 1][1]] if limit > 0 else "")
+            out.append(item)
+        return out
+
+    def _tokenize_items(self, items: list[TextInput], doc_max_length: int | None = None) -> list[_Tokenized]:
+        """Tokenize as LLM2Vec does; over-long texts are cut on the text side so the instruction survives.
+
+        Each text is tokenized once whole (the exact LLM2Vec sequence); only texts past ``max_length``
+        are cut and tokenized again, until they fit (a cut can move a BPE boundary by a token).
+        """
+        if doc_max_length is not None:
+            items = self._cut_texts(items, [doc_max_length] * len(items))
+        template, eos, max_length = self.config.prompt_template, self._eos_suffix(), self.config.max_length
+        result: list[_Tokenized] = [None] * len(items)  # type: ignore[list-item]
+        pending, truncated = list(range(len(items))), set()
+        while pending:
+            rendered = [render(items[i], template, eos) for i in pending]
+            full = self.tokenizer([r[0] for r in rendered])["input_ids"]
+            spans = self.tokenizer([r[1] for r in rendered], add_special_tokens=False)["input_ids"]
+            over = []
+            for i, ids, span in zip(pending, full, spans, strict=True):
+                if len(ids) <= max_length:
+                    result[i] = _Tokenized(ids, min(len(span), len(ids)))
+                elif not items[i].text:
+                    raise ValueError(
+                        f"Input {i}: the instruction and template alone take {len(ids)} tokens, more than "
+                        f"max_length={max_length}; shorten the instruction or raise max_length."
+                    )
+                else:
+                    over.append((i, len(ids) - max_length))
+            if over:
+                text_tokens = self.tokenizer([items[i].text for i, _ in over], add_special_tokens=False)["input_ids"]
+                limits = [max(len(t) - excess, 0) for t, (_, excess) in zip(text_tokens, over, strict=True)]
+                cut = self._cut_texts([items[i] for i, _ in over], limits)
+                for (i, _), item in zip(over, cut, strict=True):
+                    items[i] = item if item != items[i] else replace(item, text=item.text[:-1])
+                    truncated.add(i)
+            pending = [i for i, _ in over]
+        if truncated:
+            logger.warning(
+                "%d of %d texts were longer than max_length=%d tokens and were truncated on the text side.",
+                len(truncated),
+                len(items),
+                max_length,
+            )
+        return result
+
+    def _collate(self, batch: Sequence[_Tokenized]) -> dict[str, torch.Tensor]:
+        """Left-pad (LLM2Vec's layout); ``embed_mask`` marks each row's pooled span."""
+        width = max(len(t.input_ids) for t in batch)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        embed_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, tok in enumerate(batch):
+            n = len(tok.input_ids)
+            if n:
+                input_ids[row, width - n :] = torch.tensor(tok.input_ids, dtype=torch.long)
+                attention_mask[row, width - n :] = 1
+            if tok.span:
+                embed_mask[row, width - tok.span :] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
+
+    def tokenize(self, inputs: Sequence[str | Sequence[str]]) -> dict[str, torch.Tensor]:
+        """Strings or ``[instruction, text]`` pairs to padded ``input_ids``, ``attention_mask`` and ``embed_mask``.
+
+        This is the training path: texts are cut only at ``max_length`` (as upstream training did);
+        ``encode`` also applies ``doc_max_length``.
+        """
+        return self._collate(self._tokenize_items(parse_inputs(inputs)))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pooled embeddings (B, d) for a ``tokenize`` output; differentiable."""
+        attention_mask = features["attention_mask"]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        hidden = self.model(
+            input_ids=features["input_ids"].long(),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        pool_mask = attention_mask
+        if self.config.skip_instruction and "embed_mask" in features:
+            embed_mask = features["embed_mask"]
+            # An empty text has no span of its own: it falls back to all its tokens (documented).
+            has_span = embed_mask.sum(-1, keepdim=True) > 0
+            pool_mask = torch.where(has_span, embed_mask, attention_mask)
+        if self.latent is not None:
+            hidden = hidden.to(next(self.latent.parameters()).dtype)
+        return pool(hidden, attention_mask, pool_mask, self.config.pooling_mode, self.latent)
+
+    # ------------------------------------------------------------------ encode
+    def encode(
+        self,
+        sentences: str | Sequence[str | Sequence[str]],
+        batch_size: int = 32,
+        show_progress_bar: bool = True,
+        convert_to_numpy: bool = False,
+        convert_to_tensor: bool = False,
+        normalize_embeddings: bool = False,
+        device: str | torch.device | Sequence[str] | None = None,
+        max_tokens_per_batch: int | None = None,
+    ) -> torch.Tensor | np.ndarray:
+        """Embed strings or ``[instruction, text]`` pairs; float32, in input order.
+
+        Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
+        (rows x longest row) instead of by number of texts. ``device`` may be a list of devices: one
+        persistent worker per device then shares the batches (done automatically when several GPUs
+        are visible). A single string returns a 1-D vector.
+        """
+        single = isinstance(sentences, str)
+        items = parse_inputs([sentences] if single else list(sentences))
+        if not items:
+            out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
+        else:
+            tokenized = self._tokenize_items(items, doc_max_length=self.config.doc_max_length)
+            lengths = [len(t.input_ids) for t in tokenized]
+            batches = length_batches(lengths, batch_size, max_tokens_per_batch)
+            devices = _resolve_devices(device, self)
+            if len(devices) > 1:
+                out = self._encode_on_pool(tokenized, batches, devices, show_progress_bar)
+            else:
+                out = self._encode_local(tokenized, batches, devices[0], show_progress_bar)
+        if normalize_embeddings:
+            out = torch.nn.functional.normalize(out, dim=-1)
+        if single:
+            out = out[0]
+        if convert_to_numpy and not convert_to_tensor:
+            return out.numpy()
+        return out
+
+    def _encode_local(self, tokenized, batches, device, show_progress_bar) -> torch.Tensor:
+        if device is not None and torch.device(device) != self.device:
+            self.to(device)
+        out = torch.empty((len(tokenized), self.embedding_dim), dtype=torch.float32)
+        was_training = self.training
+        self.eval()
+        with torch.inference_mode():
+            for batch in tqdm(batches, desc="Encoding", disable=not show_progress_bar):
+                features = self._collate([tokenized[i] for i in batch])
+                features = {k: v.to(self.device) for k, v in features.items()}
+                out[batch] = self(features).float().cpu()
+        self.train(was_training)
+        return out
+
+    def _encode_on_pool(self, tokenized, batches, devices, show_progress_bar) -> torch.Tensor:
+        from diffusion_embedder.multiprocess import DevicePool
+
+        if self._pool_workers is None or self._pool_workers.devices != list(devices):
+            self.stop_pool()
+            self._pool_workers = DevicePool(self, devices)
+        out = torch.empty((len(tokenized), self.embedding_dim), dtype=torch.float32)
+        features = [self._collate([tokenized[i] for i in batch]) for batch in batches]
+        for index, embeddings in tqdm(
+            self._pool_workers.run(features), total=len(batches), desc="Encoding", disable=not show_progress_bar
+        ):
+            out[batches[index]] = embeddings
+        return out
+
+    def start_pool(self, devices: Sequence[str]) -> None:
+        """Start one persistent worker per device; later ``encode`` calls with these devices reuse them."""
+        from diffusion_embedder.multiprocess import DevicePool
+
+        self.stop_pool()
+        self._pool_workers = DevicePool(self, list(devices))
+
+    def stop_pool(self) -> None:
+        if self._pool_workers is not None:
+            self._pool_workers.close()
+            self._pool_workers = None
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_pool_workers"] = None
+        return state
+
+    # ------------------------------------------------------------------ saving
+    def save(self, output_path: str, merge_before_save: bool = False) -> None:
+        """Write an encoder folder: weights or adapter (safetensors), tokenizer, LLM2Vec and encoder configs.
+
+        With ``merge_before_save`` a LoRA adapter is merged into the weights first (the encoder then
+        holds the merged model).
+        """
+        os.makedirs(output_path, exist_ok=True)
+        config = EncoderConfig.from_dict(self.config.to_dict())
+        if merge_before_save and hasattr(self.model, "merge_and_unload"):
+            self.model = self.model.merge_and_unload()
+        self.model.save_pretrained(output_path, safe_serialization=True)
+        if not hasattr(self.model, "peft_config"):
+            config.merged_adapters = []
+        self.tokenizer.save_pretrained(output_path)
+        if self.latent is not None:
+            state = {k: v.detach().cpu().contiguous() for k, v in self.latent.state_dict().items()}
+            save_file(state, os.path.join(output_path, POOLING_WEIGHTS))
+        with open(os.path.join(output_path, LLM2VEC_CONFIG), "w", encoding="utf-8") as f:
+            json.dump({k: getattr(config, k) for k in LLM2VEC_KEYS}, f, indent=2)
+        with open(os.path.join(output_path, ENCODER_CONFIG), "w", encoding="utf-8") as f:
+            json.dump(config.to_dict(), f, indent=2)
+        logger.info("Saved encoder to %s", output_path)
+
+
+LLM2Vec = Encoder
+
+
+def _resolve_devices(device, encoder: Encoder) -> list:
+    if device is None:
+        on_gpu = encoder.device.type == "cuda" and not hasattr(encoder.model, "hf_device_map")
+        if on_gpu and torch.cuda.device_count() > 1:
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return [None]
+    if isinstance(device, str | torch.device):
+        return [device]
+    return list(device)
+
+
+def _load_model(
+    base: str, config: EncoderConfig, keep_own_adapter: bool, backbone_kwargs: dict
+) -> tuple[nn.Module, str, list[str | None]]:
+    """Load the base weights and merge the adapters that belong under them, in order.
+
+    ``base`` may be a plain checkpoint, an LLM2Vec folder whose adapter sits beside a config naming its
+    base (merged, as LLM2Vec does), or one of our encoder folders holding only an adapter (its base
+    and earlier merges are recorded in ``config``; the adapter stays a trainable PEFT model when
+    ``keep_own_adapter``). Returns the model, the folder holding the tokenizer, and the names used
+    to look up LLM2Vec's default templates.
+    """
+    hub_kwargs = {k: backbone_kwargs[k] for k in HUB_KWARGS if k in backbone_kwargs}
+    has_weights = any(find_file(base, f, **hub_kwargs) for f in ("model.safetensors", "model.safetensors.index.json"))
+    own_adapter = _read_json(find_file(base, "adapter_config.json", **hub_kwargs))
+    is_encoder_folder = find_file(base, ENCODER_CONFIG, **hub_kwargs) is not None
+    if has_weights:
+        weights_from = base
+    elif own_adapter:
+        weights_from = (
+            config.base_model_name_or_path if is_encoder_folder else own_adapter["base_model_name_or_path"]
+        )
+    else:
+        raise FileNotFoundError(
+            f"No model found at {base!r}: expected model.safetensors (or its index) or a PEFT adapter "
+            "(adapter_config.json), in a local folder or a reachable hub repo. Only safetensors weights are loaded."
+        )
+    names = [base, weights_from]
+    if find_file(base, "config.json", **hub_kwargs):
+        names.insert(1, backbones.read_config_dict(base, **hub_kwargs).get("_name_or_path"))
+    config.base_model_name_or_path = weights_from
+    config.model_type = config.model_type or backbones.get_spec(
+        backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
+    ).model_type
+    model = backbones.load_backbone(weights_from, **backbone_kwargs)
+
+    merges = list(dict.fromkeys(config.merged_adapters))
+    keep_own = bool(own_adapter) and is_encoder_folder and keep_own_adapter
+    if own_adapter and not keep_own and base not in merges:
+        merges.append(base)
+    if merges or keep_own:
+        from peft import PeftModel
+
+        for adapter in merges:
+            model = PeftModel.from_pretrained(model, adapter, **hub_kwargs).merge_and_unload()
+        if keep_own:
+            model = PeftModel.from_pretrained(model, base, **hub_kwargs)
+    config.merged_adapters = merges
+    tokenizer_from = base if find_file(base, "tokenizer_config.json", **hub_kwargs) else weights_from
+    return model, tokenizer_from, names
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch: int | None = None) -> list[list[int]]:
+    """Indices grouped into batches, longest first.
+
+    By count, or, with ``max_tokens_per_batch``, by padded size (rows x longest row): long documents
+    don't exhaust memory and short ones fill it. A single text longer than the budget gets its own batch.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        full = len(current) >= batch_size if max_tokens_per_batch is None else (
+            (len(current) + 1) * longest > max_tokens_per_batch
+        )
+        if current and full:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches

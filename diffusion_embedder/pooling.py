@@ -1,0 +1,91 @@
+"""Pooling of last hidden states into one vector per text.
+
+Every mode indexes the masks instead of assuming where padding sits, so the result is the same with
+left padding, right padding or none: an embedding never depends on the batch it was computed in.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+POOLING_MODES = ("mean", "weighted_mean", "eos_token", "last_token", "bos_token", "latent_attention")
+
+
+def check_pooling_mode(mode: str) -> str:
+    if mode not in POOLING_MODES:
+        raise ValueError(f"Unknown pooling_mode {mode!r}; choose one of {', '.join(POOLING_MODES)}.")
+    return mode
+
+
+def masked_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    weights = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1e-9)
+
+
+def weighted_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SGPT position weights 1..L over the masked tokens, in order, normalised (LLM2Vec's weighted_mean)."""
+    weights = (mask.cumsum(-1) * mask).to(hidden.dtype)
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-9)
+    return (hidden * weights.unsqueeze(-1)).sum(1)
+
+
+def last_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask).argmax(-1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def first_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    first = attention_mask.int().argmax(-1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
+
+
+class LatentAttentionPooling(nn.Module):
+    """NV-Embed's latent attention: token states attend to a trainable latent array, then an MLP, then a masked mean.
+
+    Residual connections make it start close to plain mean pooling, so it can be trained from a
+    pretrained backbone without a cold start.
+    """
+
+    def __init__(self, hidden_size: int, num_latents: int = 512, num_heads: int = 8):
+        super().__init__()
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by latent_attention heads {num_heads}.")
+        self.num_latents = num_latents
+        self.num_heads = num_heads
+        self.latents = nn.Parameter(torch.randn(num_latents, hidden_size) * hidden_size**-0.5)
+        self.cross_attention = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden_size, 4 * hidden_size), nn.GELU(), nn.Linear(4 * hidden_size, hidden_size)
+        )
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        latents = self.latents.to(hidden.dtype).unsqueeze(0).expand(hidden.shape[0], -1, -1)
+        attended, _ = self.cross_attention(hidden, latents, latents, need_weights=False)
+        states = hidden + attended
+        states = states + self.mlp(states)
+        return masked_mean(states, mask)
+
+
+def pool(
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pool_mask: torch.Tensor,
+    mode: str,
+    latent: LatentAttentionPooling | None = None,
+) -> torch.Tensor:
+    """Pool ``hidden`` (B, L, d). ``pool_mask`` marks the tokens that count (the text span, or all tokens)."""
+    if mode == "mean":
+        return masked_mean(hidden, pool_mask)
+    if mode == "weighted_mean":
+        return weighted_mean(hidden, pool_mask)
+    if mode in ("eos_token", "last_token"):
+        return last_token(hidden, attention_mask)
+    if mode == "bos_token":
+        return first_token(hidden, attention_mask)
+    if mode == "latent_attention":
+        if latent is None:
+            raise ValueError("latent_attention pooling needs its LatentAttentionPooling module.")
+        return latent(hidden, pool_mask)
+    raise ValueError(check_pooling_mode(mode))

@@ -1,0 +1,109 @@
+"""Input formatting: instructions, chat templates and the pooled span, byte-compatible with LLM2Vec.
+
+A pair ``[instruction, text]`` becomes ``instruction.strip() + " " + text`` (just ``text`` without an
+instruction), optionally wrapped in a chat template and followed by an EOS string for ``eos_token``
+pooling. The pooled span is everything after the instruction: the text plus any template suffix.
+That is exactly what LLM2Vec's ``!@#$%^&*()`` separator marks, so its published checkpoints give the
+same vectors here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SEPARATOR = "!@#$%^&*()"
+
+_IM_TEMPLATE = "<|im_start|>user\n{text}<|im_end|>"
+
+#: Chat wrappers LLM2Vec hard-coded by hub name (kept for compatibility), plus Dream's.
+#: Unlike upstream, the template is an encoder setting saved with the checkpoint, so training and
+#: evaluation see the same format.
+DEFAULT_TEMPLATES: dict[str, str] = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": "<|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>",
+    "mistralai/Mistral-7B-Instruct-v0.2": "[INST] {text} [/INST]",
+    "meta-llama/Llama-2-7b-chat-hf": "[INST] {text} [/INST]",
+    "google/gemma-2-9b-it": "<bos><start_of_turn>user\n{text}<end_of_turn>",
+    "Qwen/Qwen2-1.5B-Instruct": _IM_TEMPLATE,
+    "Qwen/Qwen2-7B-Instruct": _IM_TEMPLATE,
+    "Dream-org/Dream-v0-Instruct-7B": _IM_TEMPLATE,
+    "siyue/Dream_emb": _IM_TEMPLATE,
+}
+
+#: EOS strings LLM2Vec used for ``eos_token`` pooling where they differ from the backbone default.
+#: Llama-3-Instruct's template already ends the turn, so LLM2Vec appended nothing.
+EOS_SUFFIX_OVERRIDES: dict[str, str] = {
+    "meta-llama/Meta-Llama-3-8B": "<|end_of_text|>",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "",
+}
+
+#: Encoder settings LLM2Vec forced for known checkpoints.
+KNOWN_SETTINGS: dict[str, dict] = {
+    "intfloat/e5-mistral-7b-instruct": {
+        "pooling_mode": "eos_token",
+        "max_length": 4096,
+        "doc_max_length": 4096,
+        "skip_instruction": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """One input: the literal text before the pooled span, and the user's text."""
+
+    prefix: str
+    text: str
+
+
+def parse_input(item: object, index: int) -> TextInput:
+    """Validate one ``encode`` input: a string (optionally with the separator) or an ``[instruction, text]`` pair."""
+    if isinstance(item, str):
+        if SEPARATOR in item:
+            prefix, _, text = item.partition(SEPARATOR)
+            return TextInput(prefix, text.replace(SEPARATOR, ""))
+        return TextInput("", item)
+    if isinstance(item, list | tuple):
+        if len(item) != 2:
+            raise ValueError(
+                f"Input {index} is a sequence of length {len(item)}; expected a string or an [instruction, text] pair."
+            )
+        instruction, text = item
+        for part, name in ((instruction, "instruction"), (text, "text")):
+            if not isinstance(part, str):
+                raise TypeError(f"Input {index}: the {name} must be a string, got {type(part).__name__}.")
+        instruction = instruction.strip()
+        return TextInput(f"{instruction} " if instruction else "", text)
+    raise TypeError(f"Input {index} must be a string or an [instruction, text] pair, got {type(item).__name__}.")
+
+
+def parse_inputs(items: Sequence[object]) -> list[TextInput]:
+    if isinstance(items, str):
+        raise TypeError("Expected a list of inputs, got a single string; wrap it in a list.")
+    return [parse_input(item, i) for i, item in enumerate(items)]
+
+
+def render(item: TextInput, template: str | None, eos_suffix: str) -> tuple[str, str]:
+    """The full string to tokenize and the part of it that is pooled (LLM2Vec's text after the separator)."""
+    marked = f"{item.prefix}{SEPARATOR}{item.text}"
+    if template:
+        marked = template.replace("{text}", marked.strip())
+    if eos_suffix:
+        marked = marked.strip() + eos_suffix
+    prefix, _, span = marked.partition(SEPARATOR)
+    return prefix + span, span
+
+
+def default_template(names: Sequence[str | None]) -> str | None:
+    """The chat template LLM2Vec applied for the first known name, if any."""
+    return next((DEFAULT_TEMPLATES[n] for n in names if n in DEFAULT_TEMPLATES), None)
+
+
+def eos_suffix_for(names: Sequence[str | None], eos_format: str, eos_token: str | None) -> str:
+    """The string appended for ``eos_token`` pooling."""
+    for name in names:
+        if name in EOS_SUFFIX_OVERRIDES:
+            return EOS_SUFFIX_OVERRIDES[name]
+    if not eos_token:
+        raise ValueError("eos_token pooling needs a tokenizer with an EOS token.")
+    return eos_format.format(eos=eos_token)
