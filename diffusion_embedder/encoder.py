@@ -489,7 +489,8 @@ def _load_model(
     names = [base, weights_from]
     if find_file(base, "config.json", **hub_kwargs):
         names.insert(1, backbones.read_config_dict(base, **hub_kwargs).get("_name_or_path"))
-    config.base_model_name_or_path = weights_from
+    if not (is_encoder_folder and config.base_model_name_or_path):
+        config.base_model_name_or_path = weights_from  # an encoder folder keeps its original base as provenance
     config.model_type = config.model_type or backbones.get_spec(
         backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
     ).model_type

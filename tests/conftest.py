@@ -1,0 +1,85 @@
+"""Shared fixtures: the reference checkpoints and tiny random checkpoints of every supported family."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LLAMA_FIXTURE = FIXTURES / "llm2vec_parity" / "llama"
+MISTRAL_FIXTURE = FIXTURES / "llm2vec_parity" / "mistral"
+DREAM_FIXTURE = FIXTURES / "dream_reference"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+QWEN_TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json")
+
+#: Tiny configs (vocab 1024 = the fixtures' tokenizer) for every family the backbone table supports.
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 16},
+    "gemma2": {"head_dim": 16},
+}
+FAMILIES = (*FAMILY_CONFIGS, "Dream")
+
+
+def copy_tokenizer(model_type: str, folder: Path) -> None:
+    """The llama fixture's byte-level BPE; Qwen families get the Dream fixture's Qwen-format files."""
+    if model_type.startswith("qwen"):
+        for name in QWEN_TOKENIZER_FILES:
+            shutil.copy(DREAM_FIXTURE / name, folder / name)
+        config = json.loads((DREAM_FIXTURE / "tokenizer_config.json").read_text())
+        config.pop("auto_map")
+        config["tokenizer_class"] = "Qwen2Tokenizer"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        for name in TOKENIZER_FILES:
+            shutil.copy(LLAMA_FIXTURE / name, folder / name)
+
+
+def make_tiny_checkpoint(model_type: str, folder: Path, seed: int = 0) -> Path:
+    """A random checkpoint in the Hugging Face layout with a 1024-token byte-level BPE tokenizer."""
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        **FAMILY_CONFIGS[model_type],
+    )
+    torch.manual_seed(seed)
+    AutoModel.from_config(config).save_pretrained(folder)
+    copy_tokenizer(model_type, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """``family_checkpoint(name)`` -> folder of a tiny checkpoint of that family (Dream: the reference)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family == "Dream":
+            return DREAM_FIXTURE
+        if family not in made:
+            made[family] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+def default_attention(family: str) -> str:
+    """Gemma2's soft-capped attention has no SDPA path in transformers."""
+    return "eager" if family == "gemma2" else "sdpa"
