@@ -238,11 +238,17 @@ class Encoder(nn.Module):
             )
         return self.config.eos_suffix
 
+    def _token_ids(self, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
+        """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""
+        return self.tokenizer(
+            texts, add_special_tokens=special, return_offsets_mapping=key == "offset_mapping", verbose=False
+        )[key]
+
     def _cut_texts(self, items: list[TextInput], limits: list[int]) -> list[TextInput]:
         """Cut each text to at most ``limits[i]`` tokens at a token boundary, keeping its instruction."""
-        enc = self.tokenizer([it.text for it in items], add_special_tokens=False, return_offsets_mapping=True)
+        offsets_per_text = self._token_ids([it.text for it in items], special=False, key="offset_mapping")
         out = []
-        for item, offsets, limit in zip(items, enc["offset_mapping"], limits, strict=True):
+        for item, offsets, limit in zip(items, offsets_per_text, limits, strict=True):
             if len(offsets) > limit:
                 item = replace(item, text=item.text[: offsets[limit - 1][1]] if limit > 0 else "")
             out.append(item)
@@ -261,8 +267,8 @@ class Encoder(nn.Module):
         pending, truncated = list(range(len(items))), set()
         while pending:
             rendered = [render(items[i], template, eos) for i in pending]
-            full = self.tokenizer([r[0] for r in rendered])["input_ids"]
-            spans = self.tokenizer([r[1] for r in rendered], add_special_tokens=False)["input_ids"]
+            full = self._token_ids([r[0] for r in rendered])
+            spans = self._token_ids([r[1] for r in rendered], special=False)
             over = []
             for i, ids, span in zip(pending, full, spans, strict=True):
                 if len(ids) <= max_length:
@@ -275,7 +281,7 @@ class Encoder(nn.Module):
                 else:
                     over.append((i, len(ids) - max_length))
             if over:
-                text_tokens = self.tokenizer([items[i].text for i, _ in over], add_special_tokens=False)["input_ids"]
+                text_tokens = self._token_ids([items[i].text for i, _ in over], special=False)
                 limits = [max(len(t) - excess, 0) for t, (_, excess) in zip(text_tokens, over, strict=True)]
                 cut = self._cut_texts([items[i] for i, _ in over], limits)
                 for (i, _), item in zip(over, cut, strict=True):
