@@ -1,0 +1,4 @@
+"""mteb 2.x evaluation: the encoder as an mteb model, benchmark tasks, local BEIR data, embedding cache, report.
+
+Submodules import mteb lazily where they can, so ``report`` works without loading torch.
+"""

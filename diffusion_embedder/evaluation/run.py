@@ -1,0 +1,259 @@
+"""Evaluation driver: load a checkpoint, build the tasks, run mteb per task, keep going past failures.
+
+Results go to ``OUTPUT_DIR/results/<name>/<revision>/experiments/<ablation>/<Task>.json`` (mteb's
+layout); the revision is a hash of the loaded weights and settings, and ``identity.json`` beside the
+results is checked on every run, so scores of another checkpoint are never reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffusion_embedder.evaluation.tasks import resolve_task_names
+
+logger = logging.getLogger(__name__)
+
+#: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
+FULL_RANKING = 2**62
+
+
+@dataclass
+class EvalArguments:
+    base_model_name_or_path: str | None = None
+    peft_model_name_or_path: str | None = None
+    task_name: list[str] = field(default_factory=list)
+    benchmark: str | None = None
+    local_task: list[str] = field(default_factory=list)
+    task_to_instructions_fp: str | None = None
+    output_dir: str = "results"
+    batch_size: int = 32
+    enable_bidirectional: bool | None = None
+    pooling_mode: str | None = None
+    max_length: int | None = None
+    doc_max_length: int | None = None
+    max_length_cap: int = 32768
+    top_k: int | None = None
+    data_dir: str | None = None
+    query_template: str = "{query} {instruction}"
+    embedding_cache_dir: str | None = None
+    no_embedding_cache: bool = False
+    overwrite: bool = False
+    save_predictions: bool = False
+    model_name: str | None = None
+    revision: str | None = None
+    torch_dtype: str | None = None
+    device: str | None = None
+
+
+@dataclass
+class EvalOutcome:
+    """Main score per task that ran, the error per task that failed, and where results were written."""
+
+    scores: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    results_dir: str = ""
+
+
+def _str2bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "y"):
+        return True
+    if value.lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data.")
+    p.add_argument("--base_model_name_or_path", help="base checkpoint, encoder folder or hub name")
+    p.add_argument("--peft_model_name_or_path", help="LoRA adapter trained on top of the base")
+    p.add_argument("--task_name", nargs="+", default=[], help="mteb task name(s); upstream Bright* names accepted")
+    p.add_argument("--benchmark", choices=["followir", "longembed", "bright", "all"])
+    p.add_argument("--local_task", nargs="+", default=[], help="BEIR-format folder(s) to evaluate")
+    p.add_argument("--task_to_instructions_fp", help="JSON task -> query instruction (default: the shipped file)")
+    p.add_argument("--output_dir", default="results")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--enable_bidirectional", type=_str2bool, default=None, help="default: the checkpoint's setting")
+    p.add_argument("--pooling_mode", default=None)
+    p.add_argument("--max_length", type=int, default=None)
+    p.add_argument("--doc_max_length", type=int, default=None)
+    p.add_argument("--max_length_cap", type=int, default=32768, help="upper bound for LongEmbed length splits")
+    p.add_argument("--top_k", type=int, default=None,
+                   help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
+                        "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation")
+    p.add_argument("--data_dir", help="folder with datasets downloaded beforehand (clones of the hub repos)")
+    p.add_argument("--query_template", default="{query} {instruction}", help="FollowIR query + instruction format")
+    p.add_argument("--embedding_cache_dir", help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
+    p.add_argument("--no_embedding_cache", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="rerun tasks that already have results")
+    p.add_argument("--save_predictions", action="store_true")
+    p.add_argument("--model_name", help="results name (default: diffusion_embedder/<checkpoint folder>)")
+    p.add_argument("--revision", help="results revision (default: hash of weights and settings)")
+    p.add_argument("--torch_dtype", default=None, help="e.g. bfloat16")
+    p.add_argument("--device", default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> EvalArguments:
+    return EvalArguments(**vars(build_parser().parse_args(argv)))
+
+
+def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict:
+    """Evaluation settings that change scores go into the results folder name."""
+    extra: dict = {"top_k": args.top_k if args.top_k is not None else "full"}
+    if args.task_to_instructions_fp:
+        blob = json.dumps(instructions, sort_keys=True).encode()
+        extra["instructions"] = hashlib.sha256(blob).hexdigest()[:8]
+    if args.query_template != EvalArguments.query_template:
+        extra["template"] = hashlib.sha256(args.query_template.encode()).hexdigest()[:8]
+    if args.max_length_cap != EvalArguments.max_length_cap:
+        extra["length_cap"] = args.max_length_cap
+    return extra
+
+
+def load_encoder(args: EvalArguments):
+    import torch
+
+    from diffusion_embedder import Encoder
+
+    if not args.base_model_name_or_path:
+        raise ValueError("--base_model_name_or_path is required.")
+    dtype = getattr(torch, args.torch_dtype) if args.torch_dtype else None
+    return Encoder.from_pretrained(
+        args.base_model_name_or_path,
+        peft_model_name_or_path=args.peft_model_name_or_path,
+        merge_peft=args.peft_model_name_or_path is not None,
+        enable_bidirectional=args.enable_bidirectional,
+        pooling_mode=args.pooling_mode,
+        max_length=args.max_length,
+        doc_max_length=args.doc_max_length,
+        torch_dtype=dtype,
+        device=args.device,
+    )
+
+
+def wrap_encoder(encoder, args: EvalArguments):
+    """The mteb model for ``encoder`` under ``args`` (instructions, template, cache, results identity)."""
+    from diffusion_embedder.evaluation.cache import EmbeddingCache
+    from diffusion_embedder.evaluation.model import MTEBEncoder
+    from diffusion_embedder.evaluation.tasks import load_instructions
+
+    instructions = load_instructions(args.task_to_instructions_fp)
+    cache = None
+    if not args.no_embedding_cache:
+        cache = EmbeddingCache(args.embedding_cache_dir or os.path.join(args.output_dir, "embedding_cache"))
+    name = args.model_name
+    if name is None and (args.peft_model_name_or_path or args.base_model_name_or_path):
+        from diffusion_embedder.evaluation.model import checkpoint_name
+
+        name = checkpoint_name(args.peft_model_name_or_path or args.base_model_name_or_path)
+    return MTEBEncoder(
+        encoder,
+        instructions=instructions,
+        query_template=args.query_template,
+        cache=cache,
+        max_length_cap=args.max_length_cap,
+        name=name,
+        revision=args.revision,
+        extra_experiment_kwargs=experiment_kwargs(args, instructions),
+    )
+
+
+def task_factories(args: EvalArguments) -> list[tuple[str, Callable]]:
+    """(name, builder) per task; built lazily so one bad task fails alone."""
+    from diffusion_embedder.evaluation.local import load_local_task
+    from diffusion_embedder.evaluation.tasks import get_mteb_task
+
+    factories: list[tuple[str, Callable]] = []
+    if args.task_name or args.benchmark:
+        for name in resolve_task_names(args.task_name, args.benchmark):
+            factories.append((name, lambda n=name: get_mteb_task(n, args.data_dir)))
+    for folder in args.local_task:
+        label = os.path.basename(os.path.normpath(folder))
+        factories.append((label, lambda f=folder: load_local_task(f)))
+    if not factories:
+        raise ValueError("Nothing to evaluate: give --task_name, --benchmark or --local_task.")
+    return factories
+
+
+def check_identity(results_dir: Path, identity: dict) -> None:
+    """Refuse a results folder written by another checkpoint (same name/revision, different weights)."""
+    path = results_dir / "identity.json"
+    record = {"weights": identity["weights"], "settings": identity["settings"]}
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored != json.loads(json.dumps(record, default=str)):
+            raise RuntimeError(
+                f"{results_dir} holds results of another checkpoint (weights {str(stored.get('weights'))[:12]}..., "
+                f"this one {str(identity['weights'])[:12]}...); choose another --output_dir or --revision."
+            )
+        return
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+
+
+def apply_top_k(task, top_k: int | None) -> None:
+    """``None``: every candidate for p-MRR tasks, the top max(k_values) otherwise (exact @k metrics)."""
+    if top_k is not None:
+        task._top_k = top_k
+    elif task.metadata.main_score == "p-MRR":
+        task._top_k = FULL_RANKING
+
+
+def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) -> EvalOutcome:
+    """Run each task through ``mteb.evaluate``; a failure is logged and recorded, the rest still run."""
+    import mteb
+
+    cache = mteb.ResultCache(cache_path=args.output_dir)
+    results_dir = cache.get_task_result_path("_", model.mteb_model_meta).parent
+    check_identity(results_dir, model.identity)
+    outcome = EvalOutcome(results_dir=str(results_dir))
+    prediction_folder = results_dir / "predictions" if args.save_predictions else None
+    for label, build in factories:
+        try:
+            task = build()
+            label = task.metadata.name
+            apply_top_k(task, args.top_k)
+            result = mteb.evaluate(
+                model,
+                task,
+                cache=cache,
+                encode_kwargs={"batch_size": args.batch_size},
+                overwrite_strategy="always" if args.overwrite else "only-missing",
+                co2_tracker=False,
+                prediction_folder=prediction_folder,
+                show_progress_bar=False,
+            )
+            if result.exceptions:
+                raise RuntimeError("; ".join(str(e.exception) for e in result.exceptions))
+            outcome.scores[label] = float(result.task_results[0].get_score())
+            logger.info("%s: %s = %.4f", label, task.metadata.main_score, outcome.scores[label])
+        except Exception as e:  # noqa: BLE001 - one task's failure must not lose the others
+            logger.exception("Task %s failed", label)
+            outcome.failures[label] = f"{type(e).__name__}: {e}"
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; returns a non-zero exit status when any task failed."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    factories = task_factories(args)  # task-name errors surface before the model is loaded
+    model = wrap_encoder(load_encoder(args), args)
+    outcome = evaluate(model, factories, args)
+    print(f"Results: {outcome.results_dir}")
+    for name, score in outcome.scores.items():
+        print(f"  {name}: {score:.4f}")
+    if outcome.failures:
+        print(f"{len(outcome.failures)} task(s) failed:", file=sys.stderr)
+        for name, error in outcome.failures.items():
+            print(f"  {name}: {error}", file=sys.stderr)
+        return 1
+    return 0
