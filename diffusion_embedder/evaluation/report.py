@@ -1,0 +1,173 @@
+"""One results table (markdown + CSV) and a bar chart per benchmark, models side by side.
+
+Reads mteb result folders as ``run.py`` writes them (``.../results/<name>/<revision>[/experiments/<exp>]``):
+every folder holding a ``model_meta.json`` is one model column. Scores are the task's main score
+(mean over splits, e.g. LongEmbed passkey/needle lengths) x 100, as in the paper.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from diffusion_embedder.evaluation.tasks import benchmark_of
+
+logger = logging.getLogger(__name__)
+
+BENCHMARK_ORDER = ("followir", "longembed", "bright", "local")
+SKIP_FILES = {"model_meta.json", "identity.json"}
+
+
+@dataclass
+class ResultTable:
+    """``scores[model][task]`` (x100), the benchmark of each task, model column labels in order."""
+
+    models: list[str] = field(default_factory=list)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    benchmarks: dict[str, str] = field(default_factory=dict)
+
+    def tasks_of(self, benchmark: str) -> list[str]:
+        return sorted(t for t, b in self.benchmarks.items() if b == benchmark)
+
+    def average(self, model: str, benchmark: str) -> float | None:
+        """Mean over the benchmark's tasks; None unless the model has every one of them."""
+        tasks = self.tasks_of(benchmark)
+        values = [self.scores[model].get(t) for t in tasks]
+        if not tasks or any(v is None for v in values):
+            return None
+        return sum(values) / len(values)
+
+    def rows(self) -> list[tuple[str, str, list[float | None]]]:
+        """(benchmark, task or "Average", one value per model) in display order."""
+        out = []
+        for bench in BENCHMARK_ORDER:
+            tasks = self.tasks_of(bench)
+            if not tasks:
+                continue
+            for task in tasks:
+                out.append((bench, task, [self.scores[m].get(task) for m in self.models]))
+            out.append((bench, "Average", [self.average(m, bench) for m in self.models]))
+        return out
+
+
+def _model_label(folder: Path) -> str:
+    meta = json.loads((folder / "model_meta.json").read_text())
+    label = f"{meta.get('name')}@{str(meta.get('revision'))[:8]}"
+    if meta.get("experiment_kwargs"):
+        exp = ",".join(f"{k}={v}" for k, v in sorted(meta["experiment_kwargs"].items()))
+        label += f" ({exp})"
+    return label
+
+
+def load_results(paths: list[str]) -> ResultTable:
+    """Collect every model folder under ``paths``."""
+    from mteb.results import TaskResult
+
+    table = ResultTable()
+    folders = []
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Results path {path!r} does not exist.")
+        folders.extend(sorted(p.parent for p in Path(path).rglob("model_meta.json")))
+    if not folders:
+        raise ValueError(f"No results (model_meta.json) found under {paths}.")
+    for folder in folders:
+        label = _model_label(folder)
+        if label in table.scores:
+            label = f"{label} [{folder}]"
+        table.models.append(label)
+        table.scores[label] = {}
+        for file in sorted(folder.glob("*.json")):
+            if file.name in SKIP_FILES:
+                continue
+            result = TaskResult.from_disk(file)
+            table.scores[label][result.task_name] = 100 * float(result.get_score())
+            table.benchmarks[result.task_name] = benchmark_of(result.task_name)
+    return table
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def to_markdown(table: ResultTable) -> str:
+    lines = ["| benchmark | task | " + " | ".join(table.models) + " |", "|---|---|" + "---:|" * len(table.models)]
+    for bench, task, values in table.rows():
+        name = f"**{task}**" if task == "Average" else task
+        lines.append(f"| {bench} | {name} | " + " | ".join(_fmt(v) for v in values) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: ResultTable) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["benchmark", "task", *table.models])
+    for bench, task, values in table.rows():
+        writer.writerow([bench, task, *[_fmt(v) for v in values]])
+    return buffer.getvalue()
+
+
+def plot(table: ResultTable, out_dir: str) -> list[str]:
+    """One grouped bar chart per benchmark (tasks + average), and ``overview.png`` of the averages (Figure 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    groups: dict[str, list[tuple[str, list[float | None]]]] = {}
+    for bench, task, values in table.rows():
+        groups.setdefault(bench, []).append((task, values))
+    groups["overview"] = [
+        (bench, [table.average(m, bench) for m in table.models]) for bench in BENCHMARK_ORDER if table.tasks_of(bench)
+    ]
+    width = 0.8 / max(len(table.models), 1)
+    for name, items in groups.items():
+        fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(items) + 2), 3.6))
+        for j, model in enumerate(table.models):
+            xs = [i + (j - (len(table.models) - 1) / 2) * width for i in range(len(items))]
+            ys = [values[j] or 0.0 for _, values in items]
+            bars = ax.bar(xs, ys, width, label=model)
+            ax.bar_label(bars, labels=[_fmt(values[j]) for _, values in items], fontsize=7)
+        ax.set_xticks(range(len(items)))
+        ax.set_xticklabels([label for label, _ in items], rotation=30 if len(items) > 3 else 0, ha="right", fontsize=8)
+        ax.set_ylabel("main score x 100")
+        ax.set_title("Benchmark averages" if name == "overview" else name)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, ResultTable]:
+    """Markdown table (returned), plus ``report.md``, ``report.csv`` and the PNGs in ``out_dir``."""
+    table = load_results(paths)
+    markdown = to_markdown(table)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        Path(out_dir, "report.md").write_text(markdown, encoding="utf-8")
+        Path(out_dir, "report.csv").write_text(to_csv(table), encoding="utf-8")
+        plot(table, out_dir)
+    return markdown, table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Table and bar charts of evaluation results, models side by side.")
+    parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of mteb_eval_custom.py, or results folders")
+    parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
+    args = parser.parse_args(argv)
+    markdown, _ = write_report(args.results_dirs, args.out_dir)
+    print(markdown)
+    print(f"Wrote {args.out_dir}/report.md, report.csv and bar charts.")
+    return 0
