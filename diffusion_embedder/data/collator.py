@@ -1,0 +1,64 @@
+"""Turns a list of ``TrainSample`` into tokenized features, one dict per text column.
+
+Each column (queries, positives, the k-th negatives) is tokenized with ``Encoder.tokenize`` on
+``[instruction, text]`` pairs, so the training text format is exactly the one used at encode time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .sample import Pair, TrainSample
+
+Features = dict[str, torch.Tensor]
+TokenizeFn = Callable[[list[list[str]]], Features]
+
+
+class ContrastiveCollator:
+    """``collate(samples) -> {"query": f, "positive": f, "negatives": ...}``.
+
+    ``tokenizer``: an ``Encoder`` (its ``tokenize`` is used) or any function mapping a list of
+    ``[instruction, text]`` pairs to a feature dict. Each sample contributes its first
+    ``num_negatives`` negatives (an error names the sample's group if it has fewer); with
+    ``num_negatives=0`` the output has no ``"negatives"`` key. ``"negatives"`` is a list of
+    ``num_negatives`` feature dicts (k-th negative of every sample), or with ``stack_negatives=True``
+    one dict of ``B * num_negatives`` rows, sample-major (rows ``i*k .. i*k+k-1`` belong to sample
+    ``i``), so ``embeddings.view(B, k, -1)`` recovers the per-query negatives.
+    """
+
+    def __init__(self, tokenizer: Any, num_negatives: int = 1, stack_negatives: bool = False):
+        if num_negatives < 0:
+            raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
+        tokenize = getattr(tokenizer, "tokenize", tokenizer)
+        if not callable(tokenize):
+            raise TypeError(f"tokenizer must be an Encoder or a callable, got {type(tokenizer).__name__}")
+        self.tokenize: TokenizeFn = tokenize
+        self.num_negatives = num_negatives
+        self.stack_negatives = stack_negatives
+
+    def _features(self, pairs: Sequence[Pair]) -> Features:
+        return self.tokenize([list(p) for p in pairs])
+
+    def __call__(self, samples: Sequence[TrainSample]) -> dict[str, Features | list[Features]]:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        k = self.num_negatives
+        for s in samples:
+            if len(s.negatives) < k:
+                raise ValueError(
+                    f"a sample of group {s.group!r} has {len(s.negatives)} negative(s), the collator needs {k}"
+                )
+        batch: dict[str, Features | list[Features]] = {
+            "query": self._features([s.query for s in samples]),
+            "positive": self._features([s.positive for s in samples]),
+        }
+        if k == 0:
+            return batch
+        if self.stack_negatives:
+            batch["negatives"] = self._features([n for s in samples for n in s.negatives[:k]])
+        else:
+            batch["negatives"] = [self._features([s.negatives[j] for s in samples]) for j in range(k)]
+        return batch

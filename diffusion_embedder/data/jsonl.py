@@ -1,0 +1,151 @@
+"""Record validation shared by the readers: every bad record is reported as ``file:line: problem``.
+
+Readers describe the fields they need (``Field``) and a ``convert`` function; ``load_records`` checks
+each record, turns a bad one into a ``DataFormatError`` naming where it is and what is wrong, or, with
+``skip_bad_lines=True``, counts it and logs one warning at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_KINDS = ("str", "int|str", "list[str]", "list[dict]")
+
+
+class DataFormatError(ValueError):
+    """A data record is unusable; the message says where (file and line, or row) and why."""
+
+
+class RecordError(ValueError):
+    """Raised by a reader's ``convert`` for a bad record; ``load_records`` adds the location."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One expected field: its JSON kind, whether it must be present, and whether null is allowed."""
+
+    name: str
+    kind: str = "str"
+    required: bool = True
+    nullable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown field kind {self.kind!r}; expected one of {_KINDS}")
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_fields(record: Any, fields: Iterable[Field]) -> None:
+    """Raise ``RecordError`` for a non-object record, a missing required field or a value of the wrong type."""
+    if not isinstance(record, dict):
+        raise RecordError(f"expected a JSON object, got {_type_name(record)}")
+    for spec in fields:
+        if spec.name not in record:
+            if spec.required:
+                raise RecordError(f"missing field {spec.name!r}")
+            continue
+        value = record[spec.name]
+        if value is None:
+            if spec.nullable or not spec.required:
+                continue
+            raise RecordError(f"field {spec.name!r} is null, expected {spec.kind}")
+        if spec.kind == "str":
+            ok = isinstance(value, str)
+        elif spec.kind == "int|str":
+            ok = isinstance(value, str | int) and not isinstance(value, bool)
+        else:
+            item_type = str if spec.kind == "list[str]" else dict
+            ok = isinstance(value, list) and all(isinstance(v, item_type) for v in value)
+        if not ok:
+            raise RecordError(f"field {spec.name!r} must be {spec.kind}, got {_type_name(value)}: {value!r:.80}")
+
+
+def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[str, int, str | RecordError]]:
+    """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number.
+
+    Lines are decoded one at a time so a bad byte sequence is reported on its own line.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    with open(path, "rb") as f:
+        for index, raw in enumerate(f):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                text = RecordError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
+            if isinstance(text, str) and not text.strip():
+                continue
+            yield f"{path}:{index + 1}", index, text
+
+
+def load_records(
+    items: Iterable[tuple[str, int, str | dict | RecordError]],
+    fields: Iterable[Field],
+    convert: Callable[[dict, int], T | None],
+    *,
+    source: str,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+) -> tuple[list[T], int]:
+    """Validate and convert records; returns ``(converted, number of bad records skipped)``.
+
+    ``convert`` returns None to filter a good record out on purpose. ``items`` are
+    ``(location, index, raw)`` with ``raw`` a JSON line, an already parsed row, or a ``RecordError``
+    found while reading. Stops after ``limit`` converted records.
+    """
+    fields = tuple(fields)
+    out: list[T] = []
+    bad = 0
+    first_bad = ""
+    for where, index, raw in items:
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            if isinstance(raw, RecordError):
+                raise raw
+            if isinstance(raw, str):
+                try:
+                    record = json.loads(raw)
+                except json.JSONDecodeError as e:
+                    raise RecordError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+            else:
+                record = raw
+            check_fields(record, fields)
+            converted = convert(record, index)
+        except RecordError as e:
+            if not skip_bad_lines:
+                raise DataFormatError(f"{where}: {e}") from None
+            bad += 1
+            first_bad = first_bad or f"{where}: {e}"
+            continue
+        if converted is not None:
+            out.append(converted)
+    if bad:
+        logger.warning("skipped %d malformed record(s) in %s (first: %s)", bad, source, first_bad)
+    return out, bad
+
+
+def read_jsonl(
+    path: str | os.PathLike,
+    fields: Iterable[Field],
+    convert: Callable[[dict, int], T | None],
+    *,
+    skip_bad_lines: bool = False,
+    limit: int | None = None,
+) -> tuple[list[T], int]:
+    """``load_records`` over a JSONL file; errors read ``path:line: problem``."""
+    return load_records(
+        iter_jsonl_lines(path), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
+    )
