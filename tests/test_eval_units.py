@@ -1,0 +1,221 @@
+"""Evaluation plumbing without running mteb: task names, instructions, encoder inputs, lengths, cache, identity."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from conftest import LLAMA_FIXTURE  # noqa: E402
+
+from diffusion_embedder import Encoder  # noqa: E402
+from diffusion_embedder.evaluation import local, tasks  # noqa: E402
+from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
+from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.run import check_identity  # noqa: E402
+
+BRIGHT_INSTRUCTION = (
+    "Given this reasoning-intensive query, find relevant documents that could help answer the question:"
+)
+
+
+class RecordingStandIn:
+    """Deterministic encoder with the Encoder.encode signature; records its inputs and config at call time."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(max_length=512, doc_max_length=400)
+        self.config.to_dict = lambda: {"max_length": self.config.max_length, "kind": "stand-in"}
+        self.calls: list[dict] = []
+
+    def encode(self, sentences, batch_size=32, show_progress_bar=True, convert_to_numpy=False, **kwargs):
+        self.calls.append({"inputs": [list(s) for s in sentences], "max_length": self.config.max_length,
+                           "doc_max_length": self.config.doc_max_length})
+        return np.array([[len(t), t.count("a") + 1.0] for _, t in sentences], dtype=np.float32)
+
+
+def metadata(name: str):
+    import mteb
+
+    return mteb.get_task(name).metadata
+
+
+# ------------------------------------------------------------------ task names and instructions
+def test_unknown_task_name_lists_close_matches():
+    with pytest.raises(ValueError, match="Unknown mteb task 'Core17InstructionRetrievl'.*Core17InstructionRetrieval"):
+        tasks.resolve_task_names(["Core17InstructionRetrievl"])
+    with pytest.raises(ValueError, match="Unknown benchmark 'brigth'"):
+        tasks.resolve_task_names(benchmark="brigth")
+
+
+def test_benchmarks_name_real_mteb_tasks_and_upstream_aliases_resolve():
+    import mteb
+
+    known = {t.metadata.name for t in mteb.get_tasks(exclude_superseded=False)}
+    assert set(tasks.BENCHMARKS["all"]) <= known
+    assert len(tasks.BENCHMARKS["all"]) == 3 + 6 + 12
+    assert tasks.resolve_task_names(["BrightAops", "BrightStackOverflow"]) == [
+        "BrightAopsRetrieval",
+        "BrightStackoverflowRetrieval",
+    ]
+    assert tasks.resolve_task_names(["BrightPonyRetrieval"], benchmark="followir")[-1] == "BrightPonyRetrieval"
+
+
+def test_shipped_instructions_cover_every_task_we_run():
+    instructions = tasks.load_instructions()
+    for name in tasks.BENCHMARKS["all"]:
+        assert name in instructions, name
+    for domain in ("EarthScience", "Psychology", "Robotics", "SustainableLiving"):  # missing upstream
+        assert instructions[f"Bright{domain}Retrieval"] == BRIGHT_INSTRUCTION
+    assert instructions["News21InstructionRetrieval"] == "Retrieve text based on user query:"
+    # the upstream file's entries are kept
+    assert instructions["SciFact"] == "Given a scientific claim, retrieve documents that support or refute the claim:"
+
+
+def test_query_instruction_fallbacks_and_override_file(tmp_path):
+    assert tasks.query_instruction("X", {}, {"query": "Represent this biology post for searching: "}) == (
+        "Represent this biology post for searching:"
+    )
+    assert tasks.query_instruction("X", {}, None) == "Retrieve text based on user query:"
+    assert tasks.query_instruction("BrightAopsRetrieval", {"BrightAops": "old name"}, None) == "old name"
+    path = tmp_path / "inst.json"
+    path.write_text(json.dumps({"News21InstructionRetrieval": "Find news:"}))
+    assert tasks.load_instructions(str(path)) == {"News21InstructionRetrieval": "Find news:"}
+    path.write_text('{"A": 3}')
+    with pytest.raises(ValueError, match="inst.json: the instruction of 'A' must be a string"):
+        tasks.load_instructions(str(path))
+
+
+def test_data_dir_points_the_real_task_at_a_local_copy(tmp_path):
+    (tmp_path / "mteb" / "Core17InstructionRetrieval").mkdir(parents=True)
+    task = tasks.get_mteb_task("Core17InstructionRetrieval", str(tmp_path))
+    assert task.metadata.name == "Core17InstructionRetrieval"
+    assert task.metadata.dataset["path"] == str(tmp_path / "mteb" / "Core17InstructionRetrieval")
+    with pytest.raises(FileNotFoundError, match="no local copy of 'dwzhu/LongEmbed'"):
+        tasks.get_mteb_task("LEMBQMSumRetrieval", str(tmp_path))
+
+
+# ------------------------------------------------------------------ what the encoder receives
+def test_queries_get_the_task_instruction_and_followir_template_documents_none():
+    stand_in = RecordingStandIn()
+    instructions = {"News21InstructionRetrieval": "Retrieve news:"}
+    model = MTEBEncoder(stand_in, instructions=instructions, revision="r0",
+                        query_template="Instruct: {instruction}\nQuery: {query}")
+    from mteb.types import PromptType
+
+    meta = metadata("News21InstructionRetrieval")
+    queries = [{"id": ["1-og"], "query": ["q text"], "instruction": ["narrative"], "text": ["q text narrative"]}]
+    docs = [{"id": ["d1", "d2"], "text": ["t1 body", "b2"], "title": ["t1", ""], "body": ["body", "b2"]}]
+    model.encode(queries, task_metadata=meta, hf_split="test", hf_subset="default", prompt_type=PromptType.query)
+    model.encode(docs, task_metadata=meta, hf_split="test", hf_subset="default", prompt_type=PromptType.document)
+    assert stand_in.calls[0]["inputs"] == [["Retrieve news:", "Instruct: narrative\nQuery: q text"]]
+    assert stand_in.calls[1]["inputs"] == [["", "t1 body"], ["", "b2"]]
+    # the default template: query then instruction (upstream and mteb)
+    default = MTEBEncoder(stand_in, instructions=instructions, revision="r0")
+    default.encode(queries, task_metadata=meta, hf_split="test", hf_subset="default", prompt_type=PromptType.query)
+    assert stand_in.calls[2]["inputs"] == [["Retrieve news:", "q text narrative"]]
+    with pytest.raises(ValueError, match="query_template must contain"):
+        MTEBEncoder(stand_in, revision="r0", query_template="{query}")
+
+
+def test_longembed_length_splits_set_the_encoder_lengths_for_that_split_only():
+    from mteb.types import PromptType
+
+    stand_in = RecordingStandIn()
+    model = MTEBEncoder(stand_in, revision="r0", max_length_cap=8192, cache=None)
+    meta = metadata("LEMBPasskeyRetrieval")
+    batch = [{"id": ["d"], "text": ["a passkey doc"], "title": [""], "body": ["a passkey doc"]}]
+    for split in ("test_4096", "test_32768", "test"):
+        model.encode(batch, task_metadata=meta, hf_split=split, hf_subset="default", prompt_type=PromptType.document)
+    seen = [(c["max_length"], c["doc_max_length"]) for c in stand_in.calls]
+    assert seen == [(4096, 4096), (8192, 8192), (512, 400)]
+    assert (stand_in.config.max_length, stand_in.config.doc_max_length) == (512, 400)
+
+
+# ------------------------------------------------------------------ cache and identity
+def test_cache_is_hit_on_the_second_pass_and_invalidated_by_model_or_settings(tmp_path, family_checkpoint):
+    from mteb.types import PromptType
+
+    texts = ["alpha beta", "gamma", "alpha beta", "delta epsilon zeta"]
+    batch = [{"id": [str(i) for i in range(4)], "text": texts, "title": [""] * 4, "body": texts}]
+    meta = metadata("LEMBQMSumRetrieval")
+    cache = EmbeddingCache(str(tmp_path / "cache"))
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32, device="cpu")
+
+    def run(model):
+        before = cache.stats.encoded
+        out = model.encode(batch, task_metadata=meta, hf_split="test", hf_subset="default",
+                           prompt_type=PromptType.document)
+        return out, cache.stats.encoded - before
+
+    first, encoded = run(MTEBEncoder(encoder, cache=cache))
+    assert encoded == 3  # the duplicate text is encoded once
+    expected = encoder.encode([["", t] for t in texts], convert_to_numpy=True)
+    np.testing.assert_allclose(first, expected, atol=1e-5)
+    second, encoded = run(MTEBEncoder(encoder, cache=EmbeddingCache(str(tmp_path / "cache"))))
+    assert encoded == 0
+    np.testing.assert_array_equal(second, first)
+    # settings change -> new key
+    encoder.config.pooling_mode = "weighted_mean"
+    third, encoded = run(MTEBEncoder(encoder, cache=cache))
+    assert encoded == 3 and not np.allclose(third, first)
+    encoder.config.pooling_mode = "mean"
+    # another checkpoint (same architecture, other weights) -> new key
+    other = Encoder.from_pretrained(str(family_checkpoint("llama")), torch_dtype=torch.float32, device="cpu")
+    fourth, encoded = run(MTEBEncoder(other, cache=cache))
+    assert encoded == 3 and not np.allclose(fourth, first)
+
+
+def test_revision_is_a_hash_of_weights_and_settings_ablations_go_to_experiment_kwargs(family_checkpoint):
+    def meta(path, **kw):
+        enc = Encoder.from_pretrained(str(path), torch_dtype=torch.float32, device="cpu", **kw)
+        return MTEBEncoder(enc).mteb_model_meta
+
+    a, a_again = meta(LLAMA_FIXTURE), meta(LLAMA_FIXTURE)
+    assert (a.name, a.revision) == (a_again.name, a_again.revision)
+    assert meta(family_checkpoint("llama")).revision != a.revision
+    assert meta(LLAMA_FIXTURE, max_length=256).revision != a.revision
+    causal = meta(LLAMA_FIXTURE, enable_bidirectional=False)
+    assert causal.revision == a.revision
+    assert a.experiment_name == "bidirectional_True__pooling_mean"
+    assert causal.experiment_name == "bidirectional_False__pooling_mean"
+
+
+def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
+    check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})
+    check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})  # same: fine
+    with pytest.raises(RuntimeError, match="holds results of another checkpoint"):
+        check_identity(tmp_path, {"weights": "bbb", "settings": {"pooling_mode": "mean"}})
+
+
+# ------------------------------------------------------------------ local data
+def test_bad_beir_folders_name_file_and_line(tmp_path):
+    (tmp_path / "qrels").mkdir()
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n{"_id": "d2"}\n')
+    (tmp_path / "queries.jsonl").write_text('{"_id": "q1", "text": "y"}\n')
+    (tmp_path / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
+    with pytest.raises(ValueError, match=r"corpus.jsonl, line 2: missing field 'text'"):
+        local.load_local_task(str(tmp_path))
+    (tmp_path / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n')
+    (tmp_path / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td9\t1\n")
+    with pytest.raises(ValueError, match="corpus-id 'd9' is not in corpus.jsonl"):
+        local.load_local_task(str(tmp_path))
+    (tmp_path / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\tyes\n")
+    with pytest.raises(ValueError, match=r"test.tsv, line 2: score 'yes' is not an integer"):
+        local.load_local_task(str(tmp_path))
+
+
+def test_instruction_fixture_is_detected_and_its_changed_documents_derived():
+    folder = os.path.join(os.path.dirname(__file__), "fixtures", "beir", "instructions")
+    task = local.load_local_task(folder)
+    assert task.metadata.main_score == "p-MRR" and task.metadata.type == "InstructionRetrieval"
+    # relevant under the original instruction, not under the changed one
+    assert task.changed_qrels == {"1": ["d1"], "2": ["d3", "d4"]}
+    assert not local.is_instruction_task(["1-og", "2"])
