@@ -1,0 +1,5 @@
+import sys
+
+from diffusion_embedder.reasonaug.cli import main
+
+sys.exit(main())

@@ -1,0 +1,184 @@
+"""``python -m diffusion_embedder.reasonaug <stage>``: one command per pipeline stage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from diffusion_embedder.reasonaug.concepts import load_concepts
+from diffusion_embedder.reasonaug.contamination import (
+    load_benchmark_queries,
+    load_bright_queries,
+    remove_contaminated,
+)
+from diffusion_embedder.reasonaug.llm import ChatClient, ClientConfig, read_jsonl, write_jsonl
+from diffusion_embedder.reasonaug.prompts import render_prompt_card
+from diffusion_embedder.reasonaug.rebuild import dataset_stats, load_generation, stats_markdown, update_card
+from diffusion_embedder.reasonaug.stages import (
+    StageConfig,
+    load_concept_data,
+    run_check_problems,
+    run_check_solutions,
+    run_definitions,
+    run_generated_negatives,
+    run_problems,
+)
+from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, build_triplets
+
+LLM_STAGES = ("definitions", "problems", "check-problems", "check-solutions", "negatives")
+TRAIN_FILE = "ReasonAug_train.jsonl.gz"
+HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
+
+
+def _add_stage_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", type=Path, required=True, help="folder for batch files and parsed JSONL")
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
+    p.add_argument("--model", default=None, help="default: $REASONAUG_MODEL or gpt-4o-mini")
+    p.add_argument("--rounds", type=int, default=8, help="problem/solution rounds per concept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-regenerations", type=int, default=2, help="re-asks for a malformed answer")
+    p.add_argument("--concurrency", type=int, default=None, help="default: $REASONAUG_CONCURRENCY or 8")
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="do not call an endpoint: write the Batch-API input file and parse an output file placed next to it",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m diffusion_embedder.reasonaug", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in LLM_STAGES:
+        _add_stage_args(sub.add_parser(name, help=f"LLM stage: {name}"))
+
+    p = sub.add_parser("triplets", help="BM25 hard-negative triplets from a workdir")
+    _add_stage_args(p)
+    p.add_argument("--out", type=Path, required=True, help="output JSONL (.jsonl or .jsonl.gz)")
+    p.add_argument("--heldout-fraction", type=float, default=0.0, help="> 0: also write _train/_heldout files")
+    p.add_argument("--with-generated", action="store_true", help="append records of the 'negatives' stage")
+
+    p = sub.add_parser("rebuild", help="offline rebuild from the real upstream generation files")
+    p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"))
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
+    p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"))
+    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--card", type=Path, default=None, help="data card whose stats block is rewritten")
+    p.add_argument("--full", type=Path, default=None, help="also write the all-concept set (one BM25 pool)")
+
+    p = sub.add_parser("contamination", help="remove queries that nearly duplicate benchmark queries")
+    p.add_argument("--input", type=Path, required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--benchmark", type=Path, default=None, help=".jsonl ('query' field), .json list or .txt")
+    p.add_argument("--bright", default=None, help="BRIGHT dataset name or local path, e.g. xlangai/BRIGHT")
+    p.add_argument("--threshold", type=float, default=0.7)
+
+    p = sub.add_parser("prompts", help="write the prompt-template card")
+    p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"))
+    return parser
+
+
+def _client(args: argparse.Namespace) -> ChatClient | None:
+    if args.batch:
+        return None
+    return ChatClient(ClientConfig.from_env(model=args.model, concurrency=args.concurrency))
+
+
+def _stage_config(args: argparse.Namespace) -> StageConfig:
+    model = args.model or ClientConfig.from_env().model
+    return StageConfig(args.workdir, model, args.rounds, args.seed, args.max_regenerations)
+
+
+def _suffixed(path: Path, suffix: str) -> Path:
+    name = path.name
+    stem = name[: -len(".jsonl.gz")] if name.endswith(".jsonl.gz") else name.rsplit(".", 1)[0]
+    ext = name[len(stem) :]
+    return path.with_name(f"{stem}_{suffix}{ext}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+
+    if args.command in LLM_STAGES:
+        cfg, client = _stage_config(args), _client(args)
+        concepts = load_concepts(args.concepts)
+        if args.command == "definitions":
+            report = run_definitions(concepts, cfg, client)
+        elif args.command == "problems":
+            report = run_problems(concepts, cfg, client)
+        elif args.command == "check-problems":
+            report = run_check_problems(cfg, client)
+        elif args.command == "check-solutions":
+            report = run_check_solutions(cfg, client)
+        else:
+            report = run_generated_negatives(load_concept_data(cfg, concepts), cfg, client, TripletConfig(args.seed))
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0
+
+    if args.command == "triplets":
+        cfg = _stage_config(args)
+        data = load_concept_data(cfg, load_concepts(args.concepts))
+        tconfig = TripletConfig(seed=args.seed)
+        generated = []
+        if args.with_generated:
+            generated = [r for _, r in read_jsonl(cfg.parsed("generated_negatives"))]
+        records = build_triplets(data, tconfig) + generated
+        records = [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
+        print(f"{write_jsonl(args.out, records)} records -> {args.out}")
+        if args.heldout_fraction > 0:
+            train, heldout, _, held_names = build_split(data, tconfig, args.heldout_fraction)
+            write_jsonl(_suffixed(args.out, "train"), train)
+            write_jsonl(_suffixed(args.out, "heldout"), heldout)
+            print(f"split: {len(train)} train / {len(heldout)} held-out records ({len(held_names)} held-out concepts)")
+        return 0
+
+    if args.command == "rebuild":
+        concepts = load_concepts(args.concepts)
+        data, report = load_generation(args.generation, concepts)
+        tconfig = TripletConfig(seed=args.seed)
+        train, heldout, train_names, held_names = build_split(data, tconfig, args.heldout_fraction)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(args.out_dir / TRAIN_FILE, train)
+        write_jsonl(args.out_dir / HELDOUT_FILE, heldout)
+        split = {
+            "seed": args.seed,
+            "heldout_fraction": args.heldout_fraction,
+            "train": train_names,
+            "heldout": held_names,
+        }
+        (args.out_dir / "split.json").write_text(json.dumps(split, indent=1, ensure_ascii=False) + "\n")
+        stats = {
+            "generation": {**report.__dict__, "rejected": dict(sorted(report.rejected.items()))},
+            "train": dataset_stats(train),
+            "heldout": dataset_stats(heldout),
+        }
+        (args.out_dir / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+        if args.card is not None:
+            md = stats_markdown("train", stats["train"]) + "\n\n" + stats_markdown("held-out", stats["heldout"])
+            update_card(args.card, md)
+        if args.full is not None:
+            write_jsonl(args.full, build_triplets([c for c in data if c.problems], tconfig))
+        print(json.dumps({"train": len(train), "heldout": len(heldout), **stats["generation"]}, indent=1))
+        return 0
+
+    if args.command == "contamination":
+        if (args.benchmark is None) == (args.bright is None):
+            raise SystemExit("give exactly one of --benchmark FILE or --bright NAME_OR_PATH")
+        benchmark = load_benchmark_queries(args.benchmark) if args.benchmark else load_bright_queries(args.bright)
+        records = [r for _, r in read_jsonl(args.input)]
+        kept, report = remove_contaminated(records, benchmark, args.threshold)
+        write_jsonl(args.output, kept)
+        args.report.parent.mkdir(parents=True, exist_ok=True)
+        args.report.write_text(json.dumps(report.as_dict(), indent=1, ensure_ascii=False) + "\n")
+        print(f"{len(records) - len(kept)} of {len(records)} records removed; report -> {args.report}")
+        return 0
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render_prompt_card(), encoding="utf-8")
+    print(f"prompt templates -> {args.out}")
+    return 0
