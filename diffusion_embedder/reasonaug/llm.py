@@ -375,7 +375,9 @@ def run_with_regeneration(
             cid = req["custom_id"]
             latest = cid if n == 0 else retry_id(cid, n)
             if latest in outputs and select_answer(outputs, cid, is_valid, n) is None:
-                pending.append({**req, "custom_id": retry_id(cid, n + 1)})
+                # a distinct seed makes each regeneration a different request, also for greedy endpoints
+                body = {**req["body"], "seed": n + 1}
+                pending.append({**req, "custom_id": retry_id(cid, n + 1), "body": body})
         if not pending:
             break
     return total
