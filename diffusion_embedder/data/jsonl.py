@@ -66,10 +66,16 @@ def check_fields(record: Any, fields: Iterable[Field]) -> None:
         elif spec.kind == "int|str":
             ok = isinstance(value, str | int) and not isinstance(value, bool)
         else:
-            item_type = str if spec.kind == "list[str]" else dict
-            ok = isinstance(value, list) and all(isinstance(v, item_type) for v in value)
+            ok = isinstance(value, list)
         if not ok:
             raise RecordError(f"field {spec.name!r} must be {spec.kind}, got {_type_name(value)}: {value!r:.80}")
+        if spec.kind.startswith("list["):
+            item_type = str if spec.kind == "list[str]" else dict
+            for i, item in enumerate(value):
+                if not isinstance(item, item_type):
+                    raise RecordError(
+                        f"field {spec.name!r} must be {spec.kind}, but item {i} is {_type_name(item)}: {item!r:.80}"
+                    )
 
 
 def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[str, int, str | RecordError]]:
