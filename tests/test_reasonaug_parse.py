@@ -135,9 +135,13 @@ def test_definition_prompts_reproduce_real_requests(concepts):
 
 def _infer_options(prompt: str, c) -> ProblemOptions:
     lines = prompt.split("\n")
-    pool = CODING_CONTEXTS if c.question_type == "coding" else MATH_CONTEXTS if c.question_type == "math" else [
-        REAL_WORLD_CONTEXT
-    ]
+    pool = (
+        CODING_CONTEXTS
+        if c.question_type == "coding"
+        else MATH_CONTEXTS
+        if c.question_type == "math"
+        else [REAL_WORLD_CONTEXT]
+    )
     context = next((x for x in pool if x and x in lines), "")
     prefix = "The problem should be as difficult as "
     difficulty = next((x[len(prefix) : -1] for x in lines if x.startswith(prefix)), None)

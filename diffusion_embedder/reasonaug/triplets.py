@@ -86,8 +86,11 @@ def negative_candidates(
     ranking: Iterable[int], doc_concepts: list[str], instance: str, domain_of: dict[str, str], skip: int
 ) -> list[int]:
     """Ranked doc ids usable as negatives for ``instance``: same domain, other concept, top ``skip`` concepts
-    (by their best-ranked document) excluded."""
+    (by their best-ranked document) excluded, though at least one other concept is always kept."""
     domain = domain_of[instance]
+    ranking = list(ranking)
+    others = {doc_concepts[i] for i in ranking if doc_concepts[i] != instance and domain_of[doc_concepts[i]] == domain}
+    skip = min(skip, max(0, len(others) - 1))  # a tiny pool (small held-out split) still yields a negative
     skipped: set[str] = set()
     out = []
     for idx in ranking:
@@ -157,6 +160,8 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
             return ss[k] if coding else ps[k] + "\n" + ss[k]
 
         def record(task: str, query: str, pos: str, neg: str | None, neg_instance: str, c: ConceptData = c):
+            if neg == pos:  # identical text in two concepts: not a usable negative
+                return
             by_task[task].append(
                 {
                     "domain": c.domain,
