@@ -80,3 +80,15 @@ def test_read_jsonl_limit_and_filtered_records(tmp_path):
 def test_field_kind_is_validated():
     with pytest.raises(ValueError, match="unknown field kind"):
         Field("x", kind="float")
+
+
+def test_gzipped_jsonl_and_corrupt_gzip(tmp_path):
+    import gzip
+
+    lines = [json.dumps(GOOD)] * 50
+    packed = gzip.compress(("\n".join(lines) + "\n").encode())
+    (tmp_path / "train.jsonl.gz").write_bytes(packed)
+    assert len(Custom(tmp_path / "train.jsonl.gz")) == 50
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    with pytest.raises(DataFormatError, match=r"cut\.jsonl\.gz:\d+: cannot read the file further"):
+        Custom(tmp_path / "cut.jsonl.gz")

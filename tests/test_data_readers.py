@@ -297,3 +297,17 @@ def test_load_train_dataset_names():
         load_train_dataset("Reasonaug", REASONAUG_FILE)
     with pytest.raises(ValueError, match="needs a data file path"):
         load_train_dataset("Custom")
+
+
+
+def test_reasonaug_reads_the_shipped_file():
+    """The repository's ReasonAug release (gzipped JSONL) through the default path, checked against its stats."""
+    release = Path(__file__).parent.parent / "ReasonAug"
+    stats = json.loads((release / "stats.json").read_text())["train"]
+    ds = load_train_dataset("ReasonAug", release / "ReasonAug_train.jsonl.gz")
+    assert len(ds) == stats["records"]  # the release has a hard negative on every record
+    assert all(s.group == s.query[0] and s.group.endswith(".;") for s in ds)
+    coding = ReasonAug(release / "ReasonAug_train.jsonl.gz", domain="coding")
+    assert len(coding) == stats["by_domain"]["algorithm"] + stats["by_domain"]["data structure"]
+    math_p2i = ReasonAug(release / "ReasonAug_train.jsonl.gz", domain="math", task="p2i")
+    assert len(math_p2i) == stats["by_domain_task"]["math theorem/p2i"]

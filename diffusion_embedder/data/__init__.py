@@ -2,7 +2,7 @@
 
 Typical use (what ``training`` does)::
 
-    ds = load_train_dataset("ReasonAug", "ReasonAug/ReasonAug.jsonl", domain="all", task="all")
+    ds = load_train_dataset("ReasonAug", "ReasonAug/ReasonAug_train.jsonl.gz", domain="all", task="all")
     sampler = HomogeneousSampler(ds.groups, per_device_batch_size=4, world_size=4,
                                  gradient_accumulation_steps=1, group_by="global", seed=42)
     collator = ContrastiveCollator(encoder, num_negatives=1)
@@ -36,8 +36,8 @@ DATASET_READERS: dict[str, type[ContrastiveDataset]] = {
 DEFAULT_PATHS: dict[str, str] = {
     "E5": "cache/echo-data",
     "MSMARCO": MSMARCO_HUB_NAME,
-    "ReasonAug": "ReasonAug/ReasonAug.jsonl",
-    "E5Mix": "ReasonAug/ReasonAug.jsonl",
+    "ReasonAug": "ReasonAug/ReasonAug_train.jsonl.gz",
+    "E5Mix": "ReasonAug/ReasonAug_train.jsonl.gz",
 }
 
 #: Negatives per sample each reader yields (what the collator's ``num_negatives`` should be).

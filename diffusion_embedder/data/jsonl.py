@@ -7,6 +7,7 @@ each record, turns a bad one into a ``DataFormatError`` naming where it is and w
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -81,19 +82,25 @@ def check_fields(record: Any, fields: Iterable[Field]) -> None:
 def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[str, int, str | RecordError]]:
     """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number.
 
-    Lines are decoded one at a time so a bad byte sequence is reported on its own line.
+    ``.gz`` files are decompressed on the fly. Lines are decoded one at a time so a bad byte
+    sequence is reported on its own line.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path}")
-    with open(path, "rb") as f:
-        for index, raw in enumerate(f):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                text = RecordError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
-            if isinstance(text, str) and not text.strip():
-                continue
-            yield f"{path}:{index + 1}", index, text
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        index = -1
+        try:
+            for index, raw in enumerate(f):
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    text = RecordError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                if isinstance(text, str) and not text.strip():
+                    continue
+                yield f"{path}:{index + 1}", index, text
+        except (OSError, EOFError) as e:  # a corrupt or truncated .gz
+            raise DataFormatError(f"{path}:{index + 2}: cannot read the file further ({e})") from None
 
 
 def load_records(

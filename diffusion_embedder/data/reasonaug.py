@@ -72,7 +72,7 @@ class ReasonAug(ContrastiveDataset):
 
     def __init__(
         self,
-        path: str | os.PathLike = "ReasonAug/ReasonAug.jsonl",
+        path: str | os.PathLike = "ReasonAug/ReasonAug_train.jsonl.gz",
         *,
         domain: str | Sequence[str] = "all",
         task: str | Sequence[str] = "all",
