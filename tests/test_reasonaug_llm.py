@@ -236,3 +236,45 @@ def test_malformed_answers_are_regenerated_with_a_new_seed(tmp_path):
     assert len(set(client.bodies)) == len(client.bodies)
     again = EchoClient(answer=answer)
     assert run_with_regeneration(again, _requests(3), out, valid, max_regenerations=2).sent == 0
+
+
+def test_urllib_transport_against_a_local_server():
+    """The real stdlib transport, end to end, against an OpenAI-shaped server on localhost."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, self.headers["Authorization"], body))
+            if len(seen) == 1:
+                self.send_response(429)
+                self.send_header("Retry-After", "0")
+                self.end_headers()
+                self.wfile.write(b'{"error": "slow down"}')
+                return
+            payload = json.dumps(completion("pong " + body["messages"][0]["content"])).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        sleeps = Sleeps()
+        config = ClientConfig(base_url=f"http://127.0.0.1:{server.server_port}/v1", api_key="k", model="m")
+        client = ChatClient(config, sleep=sleeps)
+        out = asyncio.run(client.complete({"messages": [{"role": "user", "content": "ping"}]}))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out["choices"][0]["message"]["content"] == "pong ping"
+    assert [s[0] for s in seen] == ["/v1/chat/completions"] * 2 and seen[0][1] == "Bearer k"
+    assert sleeps.delays == [1.0]
