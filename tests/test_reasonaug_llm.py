@@ -116,6 +116,9 @@ def test_concurrency_limit():
     outs = asyncio.run(many())
     assert [o["choices"][0]["message"]["content"] for o in outs] == [str(i) for i in range(20)]
     assert SlowTransport.peak == 3
+    # the same client serves the next stage, which runs in a new event loop
+    SlowTransport.peak = 0
+    assert len(asyncio.run(many())) == 20 and SlowTransport.peak == 3
 
 
 def test_config_from_env(monkeypatch):

@@ -229,3 +229,7 @@ def test_cli_triplets_with_split(uninterrupted, concepts, tmp_path, capsys):
     train = {r["instance"] for _, r in read_jsonl(tmp_path / "ra_train.jsonl")}
     held = {r["instance"] for _, r in read_jsonl(tmp_path / "ra_heldout.jsonl")}
     assert train and held and not train & held
+    for side in ("train", "heldout"):
+        rows = [r for _, r in read_jsonl(tmp_path / f"ra_{side}.jsonl")]
+        assert [r["id"] for r in rows] == [str(i) for i in range(1, len(rows) + 1)]
+        assert any(r["negative_instance"] == "GENERATED" for r in rows)

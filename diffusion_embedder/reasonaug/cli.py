@@ -132,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{write_jsonl(args.out, records)} records -> {args.out}")
         if args.heldout_fraction > 0:
             train, heldout, _, held_names = build_split(data, tconfig, args.heldout_fraction)
-            write_jsonl(_suffixed(args.out, "train"), train)
-            write_jsonl(_suffixed(args.out, "heldout"), heldout)
+            held = set(held_names)
+            train += [r for r in generated if r["instance"] not in held]
+            heldout += [r for r in generated if r["instance"] in held]
+            write_jsonl(_suffixed(args.out, "train"), [{**r, "id": str(i)} for i, r in enumerate(train, 1)])
+            write_jsonl(_suffixed(args.out, "heldout"), [{**r, "id": str(i)} for i, r in enumerate(heldout, 1)])
             print(f"split: {len(train)} train / {len(heldout)} held-out records ({len(held_names)} held-out concepts)")
         return 0
 

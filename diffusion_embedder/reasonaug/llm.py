@@ -242,6 +242,7 @@ class ChatClient:
         self.transport = transport or UrllibTransport(config.timeout)
         self.sleep = sleep
         self._semaphore: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _url(self) -> str:
         base = self.config.base_url.rstrip("/")
@@ -254,8 +255,9 @@ class ChatClient:
 
     async def complete(self, body: dict) -> dict:
         """Send one chat-completions body; ``model`` defaults to the configured model."""
-        if self._semaphore is None:
-            self._semaphore = asyncio.Semaphore(self.config.concurrency)
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._loop is not loop:  # each stage run has its own event loop
+            self._semaphore, self._loop = asyncio.Semaphore(self.config.concurrency), loop
         body = {**body, "model": body.get("model") or self.config.model}
         headers = {"Content-Type": "application/json"}
         if self.config.api_key:

@@ -1,0 +1,63 @@
+"""Build a ReasonAug-style set end to end: every stage in order, each resumable (rerun after a crash).
+
+    # offline: rebuild the shipped split from the real upstream generation files
+    python experiments/build_reasonaug.py --rebuild
+
+    # new set with an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY, REASONAUG_MODEL)
+    python experiments/build_reasonaug.py --concepts my_concepts.jsonl --workdir runs/ra --rounds 8 \
+        --heldout-fraction 0.2 --benchmark bench_queries.jsonl
+
+The logic lives in ``diffusion_embedder.reasonaug`` (``python -m diffusion_embedder.reasonaug --help``).
+"""
+
+import argparse
+from pathlib import Path
+
+from diffusion_embedder.reasonaug.cli import main as reasonaug
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rebuild", action="store_true", help="offline rebuild of ReasonAug/ (no LLM)")
+    p.add_argument("--concepts", default="ReasonAug/concepts.jsonl")
+    p.add_argument("--workdir", type=Path, default=Path("runs/reasonaug"))
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--generated-negatives", action="store_true", help="also run the LLM-written negatives stage")
+    p.add_argument("--benchmark", default=None, help="benchmark queries for the contamination check")
+    p.add_argument("--batch", action="store_true", help="Batch-API mode: write inputs, parse downloaded outputs")
+    args = p.parse_args()
+
+    if args.rebuild:
+        raise SystemExit(reasonaug(["rebuild", "--card", "ReasonAug/README.md"]))
+
+    common = ["--workdir", str(args.workdir), "--concepts", args.concepts, "--rounds", str(args.rounds)]
+    common += ["--seed", str(args.seed)] + (["--batch"] if args.batch else [])
+    stages = ["definitions", "problems", "check-problems", "check-solutions"]
+    stages += ["negatives"] if args.generated_negatives else []
+    for stage in stages:
+        reasonaug([stage, *common])
+    out = args.workdir / "ReasonAug.jsonl"
+    extra = ["--with-generated"] if args.generated_negatives else []
+    reasonaug(["triplets", *common, "--out", str(out), "--heldout-fraction", str(args.heldout_fraction), *extra])
+    if args.benchmark:
+        for name in ("ReasonAug", "ReasonAug_train", "ReasonAug_heldout"):
+            src = args.workdir / f"{name}.jsonl"
+            reasonaug(
+                [
+                    "contamination",
+                    "--input",
+                    str(src),
+                    "--output",
+                    str(args.workdir / f"{name}.clean.jsonl"),
+                    "--report",
+                    str(args.workdir / f"{name}.contamination.json"),
+                    "--benchmark",
+                    args.benchmark,
+                ]
+            )
+
+
+if __name__ == "__main__":
+    main()
