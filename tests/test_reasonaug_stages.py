@@ -233,3 +233,22 @@ def test_cli_triplets_with_split(uninterrupted, concepts, tmp_path, capsys):
         rows = [r for _, r in read_jsonl(tmp_path / f"ra_{side}.jsonl")]
         assert [r["id"] for r in rows] == [str(i) for i in range(1, len(rows) + 1)]
         assert any(r["negative_instance"] == "GENERATED" for r in rows)
+
+
+def test_cli_llm_stage_uses_the_client_and_batch_mode(uninterrupted, concepts, tmp_path, monkeypatch, capsys):
+    cfg_a, _, _ = uninterrupted
+    concepts_file = tmp_path / "c.jsonl"
+    concepts_file.write_text(
+        "".join(
+            json.dumps({"domain": c.domain, "instance": c.instance, "custom_id": c.custom_id}) + "\n" for c in concepts
+        )
+    )
+    fake = FakeLLM()
+    monkeypatch.setattr(cli, "_client", lambda args: None if args.batch else fake)
+    base = ["--concepts", str(concepts_file), "--model", "fake", "--rounds", "3", "--seed", "1"]
+    assert cli.main(["definitions", "--workdir", str(tmp_path / "live"), *base]) == 0
+    assert len(fake.bodies) == 12
+    assert json.loads(capsys.readouterr().out)["kept"] == 12
+    assert (tmp_path / "live" / "definitions.jsonl").read_bytes() == cfg_a.parsed("definitions").read_bytes()
+    with pytest.raises(FileNotFoundError, match="Batch API"):
+        cli.main(["definitions", "--workdir", str(tmp_path / "batch"), "--batch", *base])

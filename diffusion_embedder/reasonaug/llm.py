@@ -368,7 +368,7 @@ def run_with_regeneration(
         rep = run_requests(client, pending, out_path)
         total.sent += rep.sent
         total.skipped += rep.skipped
-        total.failed = rep.failed
+        total.failed += rep.failed
         if n == max_regenerations:
             break
         outputs = read_batch_outputs(out_path)
