@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 BENCHMARK_ORDER = ("followir", "longembed", "bright", "local")
 SKIP_FILES = {"model_meta.json", "identity.json"}
+#: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
+OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
+OG_DEFAULT = "map_at_1000"
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ResultTable:
     models: list[str] = field(default_factory=list)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
     benchmarks: dict[str, str] = field(default_factory=dict)
+    #: ``details[model][(task, label)]``: secondary numbers (FollowIR og MAP@1000 / nDCG@5), x100.
+    details: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
 
     def tasks_of(self, benchmark: str) -> list[str]:
         return sorted(t for t, b in self.benchmarks.items() if b == benchmark)
@@ -42,7 +47,7 @@ class ResultTable:
             return None
         return sum(values) / len(values)
 
-    def rows(self) -> list[tuple[str, str, list[float | None]]]:
+    def rows(self, details: bool = True) -> list[tuple[str, str, list[float | None]]]:
         """(benchmark, task or "Average", one value per model) in display order."""
         out = []
         for bench in BENCHMARK_ORDER:
@@ -51,6 +56,9 @@ class ResultTable:
                 continue
             for task in tasks:
                 out.append((bench, task, [self.scores[m].get(task) for m in self.models]))
+                labels = {lbl for m in self.models for t, lbl in self.details[m] if t == task}
+                for label in sorted(labels) if details else []:
+                    out.append((bench, f"{task} ({label})", [self.details[m].get((task, label)) for m in self.models]))
             out.append((bench, "Average", [self.average(m, bench) for m in self.models]))
         return out
 
@@ -77,16 +85,20 @@ def load_results(paths: list[str]) -> ResultTable:
     if not folders:
         raise ValueError(f"No results (model_meta.json) found under {paths}.")
     for folder in folders:
-        label = _model_label(folder)
-        if label in table.scores:
-            label = f"{label} [{folder}]"
-        table.models.append(label)
-        table.scores[label] = {}
+        label = _model_label(folder)  # the same checkpoint and settings in several folders is one column
+        if label not in table.scores:
+            table.models.append(label)
+            table.scores[label] = {}
+            table.details[label] = {}
         for file in sorted(folder.glob("*.json")):
             if file.name in SKIP_FILES:
                 continue
             result = TaskResult.from_disk(file)
             table.scores[label][result.task_name] = 100 * float(result.get_score())
+            metric = OG_METRIC.get(result.task_name, OG_DEFAULT)
+            og = [s["og"][metric] for split in result.scores.values() for s in split if "og" in s]
+            if og:
+                table.details[label][(result.task_name, f"og {metric}")] = 100 * sum(og) / len(og)
             table.benchmarks[result.task_name] = benchmark_of(result.task_name)
     return table
 
@@ -122,7 +134,7 @@ def plot(table: ResultTable, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     groups: dict[str, list[tuple[str, list[float | None]]]] = {}
-    for bench, task, values in table.rows():
+    for bench, task, values in table.rows(details=False):
         groups.setdefault(bench, []).append((task, values))
     groups["overview"] = [
         (bench, [table.average(m, bench) for m in table.models]) for bench in BENCHMARK_ORDER if table.tasks_of(bench)
