@@ -187,8 +187,12 @@ def test_problem_prompts_are_seeded_per_item(concepts, tmp_path):
 def test_batch_mode_parses_a_downloaded_output_file(concepts, uninterrupted, tmp_path):
     cfg_a, _, _ = uninterrupted
     cfg = StageConfig(tmp_path / "batch", model="fake", rounds=3, seed=1)
-    with pytest.raises(FileNotFoundError, match="Batch API"):
+    with pytest.raises(FileNotFoundError, match="Batch API") as e:
         run_definitions(concepts, cfg, None)
+    assert f"save its output as {cfg.definition_output}" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="problem_solution_output_3.jsonl"):
+        run_problems(concepts, cfg, None)
+    assert [cfg.problem_input(r).exists() for r in (1, 2, 3)] == [True] * 3
     assert cfg.definition_input.exists()
     assert cfg.definition_input.read_bytes() == cfg_a.definition_input.read_bytes()
     cfg.definition_output.write_bytes(cfg_a.definition_output.read_bytes())

@@ -27,7 +27,13 @@ from diffusion_embedder.reasonaug.stages import (
 )
 from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, build_triplets
 
-LLM_STAGES = ("definitions", "problems", "check-problems", "check-solutions", "negatives")
+LLM_STAGES = {
+    "definitions": "1. a 'Concept / Definition' answer per concept -> definitions.jsonl",
+    "problems": "2. --rounds problem/solution pairs per concept (seeded prompts) -> pairs.jsonl",
+    "check-problems": "3. does the problem need the concept? keep, take the rewrite, or drop -> checked_pairs.jsonl",
+    "check-solutions": "4. verify each solution (coding: verified code replaces it) -> verified_pairs.jsonl",
+    "negatives": "optional: LLM-written hard negatives for a ring of same-concept pairs -> generated_negatives.jsonl",
+}
 TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
@@ -50,10 +56,10 @@ def _add_stage_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diffusion_embedder.reasonaug", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in LLM_STAGES:
-        _add_stage_args(sub.add_parser(name, help=f"LLM stage: {name}"))
+    for name, help_text in LLM_STAGES.items():
+        _add_stage_args(sub.add_parser(name, help=help_text))
 
-    p = sub.add_parser("triplets", help="BM25 hard-negative triplets from a workdir")
+    p = sub.add_parser("triplets", help="5. BM25 hard-negative triplets (and optional concept split) from a workdir")
     _add_stage_args(p)
     p.add_argument("--out", type=Path, required=True, help="output JSONL (.jsonl or .jsonl.gz)")
     p.add_argument("--heldout-fraction", type=float, default=0.0, help="> 0: also write _train/_heldout files")

@@ -103,6 +103,14 @@ class StageReport:
         return asdict(self)
 
 
+def _missing_message(missing: list[tuple[Path, Path]]) -> str:
+    lines = "\n".join(f"  submit {i}\n  save its output as {o}" for i, o in missing)
+    return (
+        "no answers yet: run with an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY), or use the OpenAI Batch API:\n"
+        + lines
+    )
+
+
 def _execute(
     client: Completer | None,
     requests: list[dict],
@@ -120,10 +128,7 @@ def _execute(
         report.skipped += run.skipped
         report.failed += len(run.failed)
     elif not output_path.exists():
-        raise FileNotFoundError(
-            f"no answers at {output_path}: run with an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY), or submit "
-            f"{input_path} to the OpenAI Batch API and save its output file there"
-        )
+        raise FileNotFoundError(_missing_message([(input_path, output_path)]))
     outputs = read_batch_outputs(output_path)
     for r in requests:
         first = outputs.get(r["custom_id"])
@@ -202,8 +207,14 @@ def _valid_pair(text: str) -> bool:
 def run_problems(concepts: list[Concept], cfg: StageConfig, client: Completer | None) -> StageReport:
     """``rounds`` independent problem/solution requests per concept -> ``pairs.jsonl``."""
     report = StageReport("problems")
+    rounds = range(1, cfg.rounds + 1)
+    missing = [(cfg.problem_input(r), cfg.problem_output(r)) for r in rounds if not cfg.problem_output(r).exists()]
+    if client is None and missing:  # batch mode: write every round's request file before asking for answers
+        for r in rounds:
+            write_batch_requests(cfg.problem_input(r), problem_requests(concepts, r, cfg))
+        raise FileNotFoundError(_missing_message(missing))
     per_round = []
-    for r in range(1, cfg.rounds + 1):
+    for r in rounds:
         requests = problem_requests(concepts, r, cfg)
         outputs = _execute(
             client, requests, cfg.problem_input(r), cfg.problem_output(r), _valid_pair, cfg.max_regenerations, report
