@@ -39,7 +39,7 @@ def weights_hash(module) -> str:
     for name, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes())
+        digest.update(t.view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
