@@ -193,6 +193,8 @@ def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
     check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})  # same: fine
     with pytest.raises(RuntimeError, match="holds results of another checkpoint"):
         check_identity(tmp_path, {"weights": "bbb", "settings": {"pooling_mode": "mean"}})
+    # the same weights loaded from another folder are the same checkpoint
+    check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean", "base_model_name_or_path": "/x"}})
 
 
 # ------------------------------------------------------------------ local data

@@ -47,6 +47,7 @@ class EvalArguments:
     no_embedding_cache: bool = False
     overwrite: bool = False
     save_predictions: bool = False
+    show_progress_bar: bool = True
     model_name: str | None = None
     revision: str | None = None
     torch_dtype: str | None = None
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_embedding_cache", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="rerun tasks that already have results")
     p.add_argument("--save_predictions", action="store_true")
+    p.add_argument("--no_progress_bar", dest="show_progress_bar", action="store_false")
     p.add_argument("--model_name", help="results name (default: diffusion_embedder/<checkpoint folder>)")
     p.add_argument("--revision", help="results revision (default: hash of weights and settings)")
     p.add_argument("--torch_dtype", default=None, help="e.g. bfloat16")
@@ -186,7 +188,9 @@ def task_factories(args: EvalArguments) -> list[tuple[str, Callable]]:
 def check_identity(results_dir: Path, identity: dict) -> None:
     """Refuse a results folder written by another checkpoint (same name/revision, different weights)."""
     path = results_dir / "identity.json"
-    record = {"weights": identity["weights"], "settings": identity["settings"]}
+    # where the weights were loaded from is provenance, not identity (a copied checkpoint is the same one)
+    settings = {k: v for k, v in identity["settings"].items() if k != "base_model_name_or_path"}
+    record = {"weights": identity["weights"], "settings": settings}
     if path.exists():
         stored = json.loads(path.read_text())
         if stored != json.loads(json.dumps(record, default=str)):
@@ -225,7 +229,7 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
                 model,
                 task,
                 cache=cache,
-                encode_kwargs={"batch_size": args.batch_size},
+                encode_kwargs={"batch_size": args.batch_size, "show_progress_bar": args.show_progress_bar},
                 overwrite_strategy="always" if args.overwrite else "only-missing",
                 co2_tracker=False,
                 prediction_folder=prediction_folder,
