@@ -79,6 +79,14 @@ def hub_run(tmp_path_factory):
         "queries": {f"test_{n}": [{"_id": "q", "text": "what is the pass key? v=1,0"}] for n in LENGTHS},
         "default": {f"test_{n}": [{"query-id": "q", "corpus-id": "p1", "score": 1}] for n in LENGTHS},
     })
+    # dwzhu/LongEmbed: corpus, queries and qrels are splits of one config; every split carries all columns
+    write_repo(data / "dwzhu" / "LongEmbed", {"qmsum": {
+        "corpus": [{"doc_id": "m1", "qid": "", "text": "meeting one v=1,0"},
+                   {"doc_id": "m2", "qid": "", "text": "meeting two v=0,1"}],
+        "queries": [{"qid": "s1", "doc_id": "", "text": "summary one v=1,0"},
+                    {"qid": "s2", "doc_id": "", "text": "summary two v=0,1"}],
+        "qrels": [{"qid": "s1", "doc_id": "m1", "text": ""}, {"qid": "s2", "doc_id": "m2", "text": ""}],
+    }})
     examples = [{"id": "b1", "query": "why do cells divide? v=1,0", "reasoning": "", "excluded_ids": ["N/A"],
                  "gold_ids": ["x1"], "gold_ids_long": ["x1"]},
                 {"id": "b2", "query": "what do enzymes do? v=0,1", "reasoning": "", "excluded_ids": ["N/A"],
@@ -88,7 +96,8 @@ def hub_run(tmp_path_factory):
         "examples": {"biology": examples},
     })
     args = run.EvalArguments(output_dir=str(tmp_path_factory.mktemp("out")), data_dir=str(data), max_length_cap=4096,
-                             task_name=["Core17InstructionRetrieval", "LEMBPasskeyRetrieval", "BrightBiology"])
+                             task_name=["Core17InstructionRetrieval", "LEMBPasskeyRetrieval", "LEMBQMSumRetrieval",
+                                        "BrightBiology"])
     stand_in = VectorStandIn()
     model = MTEBEncoder(stand_in, instructions=load_instructions(), revision="hub-layout", name="test/vectors",
                         max_length_cap=args.max_length_cap)
@@ -120,3 +129,9 @@ def test_bright_queries_get_our_instruction_documents_none(hub_run):
     expected = load_instructions()["BrightBiologyRetrieval"]
     assert {i for i, _ in queries["inputs"]} == {expected}
     assert {i for i, _ in documents["inputs"]} == {""}
+
+
+def test_longembed_real_task_reads_the_local_repo_at_the_checkpoint_lengths(hub_run):
+    assert hub_run.outcome.scores["LEMBQMSumRetrieval"] == pytest.approx(1.0)  # each summary finds its meeting
+    documents = next(c for c in hub_run.calls if "meeting one" in str(c["inputs"]))
+    assert documents["max_length"] == 512 and {i for i, _ in documents["inputs"]} == {""}
