@@ -1,0 +1,36 @@
+"""``diffusion-embedder <command> ...``: one entry point over the package's drivers."""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "train": ("diffusion_embedder.training.run", "contrastive LoRA training from a JSON config (torchrun for >1 GPU)"),
+    "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
+    "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
+    "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
+    "demo": ("diffusion_embedder.demo", "train and evaluate bidirectional vs causal on this machine"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: diffusion-embedder <command> [args...]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = import_module(COMMANDS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
