@@ -60,10 +60,13 @@ def run_loss(model: nn.Module, loss_fn, inputs: dict, rows: slice, groups: tuple
         loss = loss_fn(reps["q"], reps["p"], reps["n"] or None)
     else:
         bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
-        loss = sum(
-            loss_fn(reps["q"][a:b], reps["p"][a:b], [n[a:b] for n in reps["n"]] or None) * (b - a)
-            for a, b in zip(bounds, bounds[1:], strict=False)
-        ) / bounds[-1]
+        loss = (
+            sum(
+                loss_fn(reps["q"][a:b], reps["p"][a:b], [n[a:b] for n in reps["n"]] or None) * (b - a)
+                for a, b in zip(bounds, bounds[1:], strict=False)
+            )
+            / bounds[-1]
+        )
     loss.backward()
     return loss, reps
 

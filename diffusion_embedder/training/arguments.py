@@ -1,0 +1,336 @@
+"""Training configuration: upstream's JSON field names, validated into dataclasses before any model loads.
+
+A config is one flat JSON object mixing ``ModelArguments``, ``DataArguments``, ``CustomArguments`` and
+Hugging Face ``TrainingArguments`` fields (as upstream's ``HfArgumentParser`` reads it). ``--key value``
+pairs after the JSON path override it. Every problem is reported at once, each naming the field: an
+unknown key (with the closest valid one), a value of the wrong type (with the expected type), a
+missing required field, or a value outside its choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import logging
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from diffusion_embedder.data import DATASET_READERS
+from diffusion_embedder.pooling import POOLING_MODES
+
+logger = logging.getLogger(__name__)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TORCH_DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+LOSS_CLASSES = ("HardNegativeNLLLoss", "RepllamaLoss")
+DATASET_NAMES = tuple(DATASET_READERS)
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run; the message lists every problem found."""
+
+
+@dataclass
+class ModelArguments:
+    """Which backbone, which earlier adapter, and the encoder settings saved with every checkpoint."""
+
+    model_name_or_path: str = field(metadata={"help": "Base checkpoint (hub name or folder)."})
+    peft_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Earlier adapter: merged (MNTP), or continued if its name contains 'simcse'."}
+    )
+    bidirectional: bool = field(default=False, metadata={"help": "Remove the causal mask (every paper config: true)."})
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per text at training (and encode)."})
+    doc_max_length: int = field(default=1024, metadata={"help": "Document cut at encode time, saved for eval."})
+    skip_instruction: bool = field(default=False, metadata={"help": "Pool over the text only, not the instruction."})
+    torch_dtype: str | None = field(default=None, metadata={"help": f"One of {TORCH_DTYPES}; None = float32."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}."})
+    pooling_mode: str = field(default="mean", metadata={"help": f"One of {POOLING_MODES}."})
+    prompt_template: str | None = field(
+        default=None, metadata={"help": "Chat wrapper with a {text} slot; None = the encoder's default."}
+    )
+
+
+@dataclass
+class DataArguments:
+    """Which training set and how it is batched."""
+
+    dataset_name: str = field(metadata={"help": f"One of {DATASET_NAMES}."})
+    dataset_file_path: str | None = field(
+        default=None, metadata={"help": "E5 folder, MSMARCO hub name or file, Custom JSONL (reader default if None)."}
+    )
+    aug_file_path: str | None = field(default=None, metadata={"help": "ReasonAug JSONL (for ReasonAug / E5Mix)."})
+    domain: str = field(default="all", metadata={"help": "ReasonAug domain filter."})
+    task: str = field(default="all", metadata={"help": "ReasonAug task-type filter."})
+    num_negatives: int | None = field(
+        default=None, metadata={"help": "Hard negatives per query (None: the reader's: E5/ReasonAug 1, MSMARCO 15)."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N samples read."})
+    group_by: str = field(
+        default="global",
+        metadata={"help": "'global': one group per optimizer step (LLM2Vec); 'device': per device batch (the fork)."},
+    )
+    skip_bad_lines: bool = field(default=False, metadata={"help": "Count and skip malformed records, not fail."})
+
+
+@dataclass
+class CustomArguments:
+    """LoRA, loss and run-control options of the supervised script."""
+
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; None = 2 * lora_r (upstream)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGETS), metadata={"help": "Projections that get LoRA."}
+    )
+    stop_after_n_steps: int | None = field(
+        default=10000, metadata={"help": "Stop (and checkpoint) after this many optimizer steps."}
+    )
+    experiment_id: str | None = field(default=None, metadata={"help": "Run folder name; None = derived id."})
+    loss_class: str = field(default="HardNegativeNLLLoss", metadata={"help": f"One of {LOSS_CLASSES}."})
+    loss_scale: float = field(default=50.0, metadata={"help": "HardNegativeNLLLoss cosine scale (1/temperature)."})
+    scale_by_dim: bool = field(default=False, metadata={"help": "RepllamaLoss: embeddings times 1/sqrt(d)."})
+    in_batch_negatives: bool = field(default=False, metadata={"help": "RepllamaLoss: other passages as negatives."})
+    cross_device_negatives: bool = field(default=False, metadata={"help": "RepllamaLoss: gather them from all ranks."})
+    grad_cache_chunk_size: int | None = field(
+        default=None, metadata={"help": "GradCache: texts per forward chunk (memory bounded by the chunk)."}
+    )
+
+
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
+#: Defaults that differ from TrainingArguments' (our dataset is not a `datasets.Dataset`).
+TRAINING_DEFAULTS = {"remove_unused_columns": False}
+REQUIRED_TRAINING = ("output_dir",)
+CHOICES = {
+    "torch_dtype": (None, *TORCH_DTYPES),
+    "attn_implementation": ATTN_IMPLEMENTATIONS,
+    "pooling_mode": POOLING_MODES,
+    "dataset_name": DATASET_NAMES,
+    "group_by": ("global", "device"),
+    "loss_class": LOSS_CLASSES,
+}
+
+
+def _runtime_defaults() -> dict[str, Any]:
+    """Under torchrun without CUDA, accelerate only forms the gloo process group with ``use_cpu``."""
+    import torch
+
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return {"use_cpu": True}
+    return {}
+
+
+@dataclass
+class TrainConfig:
+    """The validated config: one dataclass per argument group, plus the merged raw values."""
+
+    model: ModelArguments
+    data: DataArguments
+    custom: CustomArguments
+    training: TrainingArguments
+    values: dict[str, Any]
+
+
+def _fields(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return f"one of {[m.value for m in tp]}"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return _type_name(tp)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether a JSON value fits a dataclass field type (bool is not an int; an int is a float)."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(value, tp) or value in {m.value for m in tp}
+    if origin is list or tp is list:
+        args = typing.get_args(tp)
+        return isinstance(value, list) and (not args or all(_matches(v, args[0]) for v in value))
+    if origin is dict or tp is dict:
+        return isinstance(value, dict)
+    return True  # library-specific objects (e.g. ParallelismConfig): left to the library
+
+
+def _enum_choices(tp: Any) -> list[str] | None:
+    """Allowed strings of an ``Enum | str`` field (e.g. lr_scheduler_type), so a typo is caught early."""
+    for arg in typing.get_args(tp):
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return [m.value for m in arg]
+    return None
+
+
+def _field_table() -> dict[str, tuple[type, dataclasses.Field, Any]]:
+    table = {}
+    for cls in ARGUMENT_CLASSES:
+        hints = _hints(cls)
+        for name, f in _fields(cls).items():
+            table.setdefault(name, (cls, f, hints[name]))
+    return table
+
+
+def _parse_cli_value(raw: str, tp: Any) -> Any:
+    """A ``--key value`` string as the field's type: JSON first (numbers, true/false, null, lists)."""
+    lowered = raw.strip().lower()
+    if _matches(True, tp) and lowered in ("true", "yes", "1", "false", "no", "0"):
+        return lowered in ("true", "yes", "1")
+    if lowered in ("none", "null"):
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+    if _matches(value, tp):
+        return value
+    return raw if _matches(raw, tp) else value
+
+
+def parse_overrides(argv: list[str]) -> dict[str, Any]:
+    """``["--lr", "1e-4", "--bf16", "--x=1"]`` -> values typed by the fields they name (unknown keys kept raw)."""
+    table = _field_table()
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise ConfigError(f"Expected --key value after the config path, got {token!r}.")
+        key, eq, raw = token[2:].partition("=")
+        key = key.replace("-", "_")
+        tp = table[key][2] if key in table else str
+        if not eq:
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if not has_value:
+                if not _matches(True, tp):
+                    raise ConfigError(f"--{key} needs a value.")
+                out[key] = True
+                i += 1
+                continue
+            raw = argv[i + 1]
+            i += 1
+        out[key] = _parse_cli_value(raw, tp)
+        i += 1
+    return out
+
+
+def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
+    """Check every key, type, choice and required field; build the four argument objects."""
+    table = _field_table()
+    errors: list[str] = []
+    for key, value in values.items():
+        if key not in table:
+            close = difflib.get_close_matches(key, table, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            errors.append(f"unknown key {key!r}{hint}")
+            continue
+        _, _, tp = table[key]
+        if not _matches(value, tp):
+            errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {_describe(tp)}")
+            continue
+        allowed = CHOICES.get(key) or (_enum_choices(tp) if isinstance(value, str) else None)
+        if allowed is not None and value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed if a is not None], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            errors.append(f"{key}: {value!r} is not one of {[a for a in allowed]}{hint}")
+    for cls in ARGUMENT_CLASSES[:3]:
+        for name, f in _fields(cls).items():
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in values:
+                errors.append(f"missing required field {name!r} ({cls.__name__})")
+    for name in REQUIRED_TRAINING:
+        if values.get(name) is None:
+            errors.append(f"missing required field {name!r} (TrainingArguments)")
+    positive = ("max_seq_length", "lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives")
+    for name in positive:
+        value = values.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < (0 if name == "num_negatives" else 1):
+            errors.append(f"{name}: must be positive, got {value}")
+    if errors:
+        raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(errors))
+
+    groups: dict[type, dict[str, Any]] = {cls: {} for cls in ARGUMENT_CLASSES}
+    for key, value in {**TRAINING_DEFAULTS, **_runtime_defaults(), **values}.items():
+        groups[table[key][0]][key] = value
+    try:
+        built = [cls(**groups[cls]) for cls in ARGUMENT_CLASSES]
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"Invalid training {source}: {err}") from err
+    model, data, custom, training = built
+    if custom.lora_alpha is None:
+        custom.lora_alpha = 2 * custom.lora_r
+    return TrainConfig(model, data, custom, training, dict(values))
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a JSON config, apply ``--key value`` overrides, validate."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except FileNotFoundError as err:
+        raise ConfigError(f"Config file not found: {path}") from err
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object, got {type(values).__name__}.")
+    values.update(parse_overrides(overrides or []))
+    return validate(values, source=f"config {path}")
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """``[CONFIG.json, --key, value, ...]`` as given to ``experiments/run_supervised.py``."""
+    if not argv or argv[0].startswith("--"):
+        raise ConfigError("Usage: run_supervised.py CONFIG.json [--key value ...]")
+    return load_config(argv[0], argv[1:])
+
+
+def field_docs() -> list[tuple[str, str, str, str]]:
+    """(group, field, type, default and help) rows of our own argument groups, for the README table."""
+    rows = []
+    for cls in ARGUMENT_CLASSES[:3]:
+        hints = _hints(cls)
+        for name, f in _fields(cls).items():
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "required"
+            rows.append((cls.__name__, name, _describe(hints[name]), f"{default}: {f.metadata.get('help', '')}"))
+    return rows

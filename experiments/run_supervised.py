@@ -1,0 +1,8 @@
+"""Supervised contrastive training: ``torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json``."""
+
+import sys
+
+from diffusion_embedder.training.run import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
