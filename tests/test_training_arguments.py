@@ -1,0 +1,157 @@
+"""Training config validation: every problem named before any model loads; overrides; the paper's configs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from diffusion_embedder.training import run as run_module
+from diffusion_embedder.training.arguments import ConfigError, load_config, parse_overrides, validate
+from diffusion_embedder.training.run import experiment_id
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "train_configs" / "tiny" / "custom.json"
+MINIMAL = {"model_name_or_path": "m", "dataset_name": "Custom", "output_dir": "out", "report_to": "none"}
+
+
+def errors_of(values: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(values)
+    return str(info.value)
+
+
+def test_unknown_key_names_closest_valid_key():
+    message = errors_of({**MINIMAL, "learning_rte": 1e-4, "lora_rr": 4})
+    assert "unknown key 'learning_rte'; did you mean 'learning_rate'?" in message
+    assert "unknown key 'lora_rr'; did you mean 'lora_r'?" in message
+
+
+def test_wrong_types_name_field_value_and_type():
+    message = errors_of({**MINIMAL, "lora_r": "16", "bf16": "yes", "learning_rate": True, "loss_scale": [1]})
+    assert "lora_r: '16' (str) is not of type int" in message
+    assert "bf16: 'yes' (str) is not of type bool" in message
+    assert "learning_rate: True (bool) is not of type float" in message
+    assert "loss_scale: [1] (list) is not of type float" in message
+
+
+def test_missing_required_fields_are_named():
+    message = errors_of({"report_to": "none"})
+    for name in ("model_name_or_path", "dataset_name", "output_dir"):
+        assert f"missing required field {name!r}" in message
+
+
+def test_choices_are_checked_with_suggestions():
+    message = errors_of({**MINIMAL, "pooling_mode": "meen", "lr_scheduler_type": "linaer", "loss_class": "Repllama"})
+    assert "pooling_mode: 'meen' is not one of" in message and "did you mean 'mean'?" in message
+    assert "lr_scheduler_type: 'linaer'" in message and "did you mean 'linear'?" in message
+    assert "loss_class: 'Repllama'" in message and "'RepllamaLoss'" in message
+    assert "lora_r: must be positive" in errors_of({**MINIMAL, "lora_r": 0})
+
+
+def test_valid_config_builds_all_groups_with_upstream_defaults():
+    cfg = validate({**MINIMAL, "lora_r": 16, "learning_rate": 1, "gradient_checkpointing": True})
+    assert cfg.custom.lora_alpha == 32  # 2r
+    assert cfg.custom.lora_dropout == 0.05
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert cfg.custom.lora_target_modules == targets
+    assert cfg.training.learning_rate == 1 and cfg.training.remove_unused_columns is False
+    assert cfg.model.attn_implementation == "sdpa" and cfg.data.group_by == "global"
+    assert validate({**MINIMAL, "lora_r": 4, "lora_alpha": 4}).custom.lora_alpha == 4
+
+
+def test_cli_overrides_are_typed_and_win(tmp_path):
+    argv = ["--learning_rate", "1e-4", "--bf16", "--lora_r=4", "--lora_target_modules", '["q_proj"]']
+    overrides = parse_overrides([*argv, "--torch_dtype", "none"])
+    assert overrides == {
+        "learning_rate": 1e-4,
+        "bf16": True,
+        "lora_r": 4,
+        "lora_target_modules": ["q_proj"],
+        "torch_dtype": None,
+    }
+    cfg = load_config(TINY, ["--learning_rate", "0.5", "--experiment_id", "x1", "--output_dir", str(tmp_path)])
+    assert cfg.training.learning_rate == 0.5 and cfg.custom.experiment_id == "x1"
+    with pytest.raises(ConfigError, match="lora_r: 'four'"):
+        load_config(TINY, ["--lora_r", "four"])
+    with pytest.raises(ConfigError, match="Expected --key value"):
+        load_config(TINY, ["lora_r", "4"])
+
+
+def test_bad_json_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "lora_r": 4,\n  "lr" 1\n}')
+    with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 3"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.json")
+
+
+def test_bad_config_stops_before_any_model_loads(tmp_path, monkeypatch, caplog):
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded for an invalid config")
+
+    monkeypatch.setattr(run_module, "prepare_encoder", must_not_load)
+    config = json.loads(TINY.read_text())
+    config["poolng_mode"] = "mean"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    assert run_module.main([str(path)]) == 2
+    assert "did you mean 'pooling_mode'?" in caplog.text
+
+
+def test_experiment_id_matches_upstream_pattern():
+    cfg = validate(
+        {
+            "model_name_or_path": "siyue/Dream_emb",
+            "dataset_name": "E5Mix",
+            "output_dir": "out",
+            "report_to": "none",
+            "bidirectional": True,
+            "max_seq_length": 4096,
+            "per_device_train_batch_size": 16,
+            "num_train_epochs": 1,
+            "warmup_steps": 100,
+            "learning_rate": 1e-4,
+            "lora_r": 16,
+        }
+    )
+    expected = "E5Mix_train_m-Dream_emb_p-mean_b-16_l-4096_bidirectional-True_e-1_s-42_w-100_lr-0.0001_lora_r-16"
+    assert experiment_id(cfg) == expected
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("*/*.json")), ids=lambda p: p.stem)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path, ["--bf16", "false"])  # bf16 is refused on a CPU without bf16 support
+    assert cfg.training.output_dir
+
+
+def test_paper_configs_carry_section9_hyperparameters():
+    def load(name):
+        return load_config(ROOT / "train_configs" / "supervised" / f"{name}.json", ["--bf16", "false"])
+
+    dream_if = load("Dream_if")
+    assert (dream_if.model.model_name_or_path, dream_if.custom.loss_class) == ("siyue/Dream_emb", "RepllamaLoss")
+    assert dream_if.custom.scale_by_dim and dream_if.custom.lora_r == 32 and dream_if.custom.lora_alpha == 64
+    assert (dream_if.model.max_seq_length, dream_if.model.doc_max_length) == (304, 196)
+    t = dream_if.training
+    assert (t.learning_rate, t.warmup_steps, t.per_device_train_batch_size, t.gradient_accumulation_steps) == (
+        1e-4,
+        20,
+        8,
+        4,
+    )
+    assert (t.save_steps, dream_if.custom.stop_after_n_steps, dream_if.data.num_negatives) == (50, 1000, 15)
+    dream_long = load("Dream_long")
+    assert (dream_long.training.learning_rate, dream_long.custom.stop_after_n_steps) == (5e-5, 4000)
+    assert dream_long.custom.loss_scale == 50.0 and dream_long.model.max_seq_length == 4096
+    llama_long = load("MetaLlama3_long")
+    assert llama_long.training.warmup_steps == 200 and "mntp" in llama_long.model.peft_model_name_or_path
+    mistral_theorem = load("Mistral_theorem")
+    assert mistral_theorem.model.peft_model_name_or_path.endswith("mntp-unsup-simcse")
+    assert mistral_theorem.data.dataset_name == "ReasonAug" and mistral_theorem.training.save_steps == 500
+    for name in ("Dream_if", "Dream_long", "Dream_theorem", "Qwen2_if", "Mistral_long"):
+        cfg = load(name)
+        assert cfg.model.bidirectional and cfg.model.pooling_mode == "mean" and cfg.training.seed == 42
+        assert cfg.training.report_to == ["tensorboard"] and cfg.custom.lora_dropout == 0.05
