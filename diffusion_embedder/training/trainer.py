@@ -172,6 +172,7 @@ class EncoderTrainer(Trainer):
         self.group_by = group_by
         self.run_config = run_config
         self.loss_is_scaled_for_ga = False
+        self.current_gradient_accumulation_steps = 1  # set per step by the training loop
         if self.callback_handler.pop_callback(TensorBoardCallback) is not None:
             self.add_callback(EncoderTensorBoardCallback())
 

@@ -1,0 +1,195 @@
+"""EncoderTrainer in one process: GradCache equals the direct path, NaN stops cleanly, adapters, checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from diffusion_embedder import Encoder
+from diffusion_embedder.data import ContrastiveCollator, Custom
+from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
+from diffusion_embedder.training.arguments import validate
+from diffusion_embedder.training.trainer import (
+    COMPLETE_MARKER,
+    EncoderTrainer,
+    NonFiniteLossError,
+    find_last_checkpoint,
+    prepare_encoder,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = ROOT / "tests" / "fixtures" / "llm2vec_parity" / "llama"
+PAIRS = ROOT / "train_configs" / "tiny" / "data" / "pairs.jsonl"
+
+
+def make_config(tmp_path, **overrides):
+    values = {
+        "model_name_or_path": str(LLAMA),
+        "dataset_name": "Custom",
+        "output_dir": str(tmp_path),
+        "report_to": "none",
+        "bidirectional": True,
+        "max_seq_length": 64,
+        "lora_r": 4,
+        "use_cpu": True,
+        "per_device_train_batch_size": 4,
+        "disable_tqdm": True,
+        **overrides,
+    }
+    return validate(values)
+
+
+def make_trainer(tmp_path, loss_fn=None, stack=False, **overrides) -> EncoderTrainer:
+    cfg = make_config(tmp_path, **overrides)
+    torch.manual_seed(0)
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    return EncoderTrainer(
+        model=encoder,
+        args=cfg.training,
+        train_dataset=Custom(PAIRS),
+        data_collator=ContrastiveCollator(encoder, num_negatives=1, stack_negatives=stack),
+        loss_fn=loss_fn or HardNegativeNLLLoss(),
+        grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
+    )
+
+
+def step_grads(trainer: EncoderTrainer, inputs, chunk: int | None, seed: int = 0):
+    model = trainer.model
+    model.zero_grad()
+    trainer.grad_cache_chunk_size = chunk
+    torch.manual_seed(seed)
+    loss = trainer.training_step(model, inputs)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return loss, grads
+
+
+def assert_same(a, b, atol=1e-5):
+    torch.testing.assert_close(a[0], b[0], atol=atol, rtol=0)
+    assert a[1].keys() == b[1].keys() and len(a[1]) > 0
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_grad_cache_equals_direct_path(tmp_path, stack):
+    trainer = make_trainer(tmp_path, stack=stack, lora_dropout=0.0)
+    with torch.no_grad():  # non-zero LoRA B, so LoRA A gets gradients too
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    samples = [trainer.train_dataset[i] for i in range(6)]
+    inputs = trainer.data_collator(samples)
+    direct = step_grads(trainer, inputs, None)
+    for chunk in (1, 2, 4):
+        assert_same(step_grads(trainer, inputs, chunk), direct)
+
+
+def test_grad_cache_replays_dropout(tmp_path):
+    """With LoRA dropout, each chunk's second forward reuses the first forward's masks."""
+    trainer = make_trainer(tmp_path, lora_dropout=0.3, loss_fn=RepllamaLoss(scale_by_dim=True))
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    direct = step_grads(trainer, inputs, None, seed=3)
+    other_masks = step_grads(trainer, inputs, None, seed=4)
+    assert (direct[0] - other_masks[0]).abs() > 1e-4  # dropout matters here
+    assert_same(step_grads(trainer, inputs, 4, seed=3), direct)
+
+
+def test_training_follows_homogeneous_order(tmp_path):
+    trainer = make_trainer(tmp_path)
+    loader = trainer.get_train_dataloader()
+    dataset = trainer.train_dataset
+    sampler_order = list(trainer._get_train_sampler())
+    for step, batch in enumerate(loader):
+        texts = batch["query"]["input_ids"].shape[0]
+        assert texts == 4
+        groups = {dataset.groups[i] for i in sampler_order[step * 4 : step * 4 + 4]}
+        assert len(groups) == 1
+    assert step + 1 == len(dataset) // 4
+
+
+class NaNAtCall:
+    def __init__(self, call: int):
+        self.call, self.calls, self.loss = call, 0, HardNegativeNLLLoss()
+
+    def __call__(self, *args):
+        self.calls += 1
+        loss = self.loss(*args)
+        return loss * float("nan") if self.calls == self.call else loss
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, chunk):
+    trainer = make_trainer(
+        tmp_path, loss_fn=NaNAtCall(5), max_steps=8, save_steps=2, learning_rate=1e-3, grad_cache_chunk_size=chunk
+    )
+    trainer.grad_cache_chunk_size = chunk
+    with pytest.raises(NonFiniteLossError, match="Loss is nan at optimizer step 5.*checkpoint-4"):
+        trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    assert find_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-4")
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_find_last_checkpoint_skips_half_written(tmp_path):
+    for step, complete in ((5, True), (10, True), (15, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        if complete:
+            (folder / COMPLETE_MARKER).write_text("{}")
+    (tmp_path / "checkpoint-x").mkdir()
+    assert find_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
+    assert find_last_checkpoint(tmp_path / "nothing") is None
+
+
+def _save_adapter(folder: Path, seed: int) -> dict:
+    base = Encoder.from_pretrained(str(LLAMA), device="cpu").model
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    peft_model.save_pretrained(folder)
+    return {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
+
+
+def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path):
+    mntp = tmp_path / "toy-mntp"
+    _save_adapter(mntp, seed=1)
+    cfg = make_config(tmp_path, peft_model_name_or_path=str(mntp))
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    assert encoder.config.merged_adapters == [str(mntp)]
+    trainable = {n: p for n, p in encoder.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(float(p.detach().abs().max()) == 0 for n, p in trainable.items() if "lora_B" in n)  # fresh LoRA
+    assert {m for n in trainable for m in cfg.custom.lora_target_modules if f".{m}." in n} == set(
+        cfg.custom.lora_target_modules
+    )
+    reference = Encoder.from_pretrained(
+        str(LLAMA), peft_model_name_or_path=str(mntp), merge_peft=True, device="cpu", skip_instruction=False
+    )
+    base = Encoder.from_pretrained(str(LLAMA), device="cpu", skip_instruction=False)
+    text = [["Find it;", "a quiet violin"]]
+    ours = encoder.encode(text, show_progress_bar=False)
+    torch.testing.assert_close(ours, reference.encode(text, show_progress_bar=False))
+    assert (ours - base.encode(text, show_progress_bar=False)).abs().max() > 1e-3  # the merge changed the model
+
+
+def test_simcse_adapter_is_continued(tmp_path):
+    simcse = tmp_path / "toy-mntp-unsup-simcse"
+    saved = _save_adapter(simcse, seed=2)
+    cfg = make_config(tmp_path, peft_model_name_or_path=str(simcse))
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    trainable = {n.removeprefix("model."): p for n, p in encoder.named_parameters() if p.requires_grad}
+    assert set(trainable) == set(saved)  # the SimCSE adapter itself, no new LoRA
+    for name, value in saved.items():
+        torch.testing.assert_close(trainable[name].detach(), value)
