@@ -63,13 +63,15 @@ def test_valid_config_builds_all_groups_with_upstream_defaults():
 
 def test_cli_overrides_are_typed_and_win(tmp_path):
     argv = ["--learning_rate", "1e-4", "--bf16", "--lora_r=4", "--lora_target_modules", '["q_proj"]']
-    overrides = parse_overrides([*argv, "--torch_dtype", "none"])
+    overrides = parse_overrides([*argv, "--torch_dtype", "null", "--report_to", "none", "--lora_alpha", "None"])
     assert overrides == {
         "learning_rate": 1e-4,
         "bf16": True,
         "lora_r": 4,
         "lora_target_modules": ["q_proj"],
         "torch_dtype": None,
+        "report_to": "none",
+        "lora_alpha": None,
     }
     cfg = load_config(TINY, ["--learning_rate", "0.5", "--experiment_id", "x1", "--output_dir", str(tmp_path)])
     assert cfg.training.learning_rate == 0.5 and cfg.custom.experiment_id == "x1"

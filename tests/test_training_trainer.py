@@ -193,3 +193,18 @@ def test_simcse_adapter_is_continued(tmp_path):
     assert set(trainable) == set(saved)  # the SimCSE adapter itself, no new LoRA
     for name, value in saved.items():
         torch.testing.assert_close(trainable[name].detach(), value)
+
+
+@pytest.mark.parametrize("name", ["msmarco_repllama", "reasonaug_gradcache"])
+def test_tiny_configs_train_end_to_end(tmp_path, monkeypatch, name):
+    """RepllamaLoss on the MSMARCO format (15 negatives) and GradCache on ReasonAug, through run.train."""
+    from diffusion_embedder.training.arguments import load_config
+    from diffusion_embedder.training.run import train
+
+    monkeypatch.chdir(ROOT)  # the configs name repository-relative paths
+    config = ROOT / "train_configs" / "tiny" / f"{name}.json"
+    run_dir = Path(train(load_config(config, ["--output_dir", str(tmp_path), "--report_to", "none"])))
+    state = (run_dir / "checkpoint-3" / "trainer_state.json").read_text()
+    assert '"global_step": 3' in state
+    encoder = Encoder.from_pretrained(str(run_dir), device="cpu")
+    assert torch.isfinite(encoder.encode(["a text"], show_progress_bar=False)).all()

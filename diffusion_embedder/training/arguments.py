@@ -213,8 +213,8 @@ def _parse_cli_value(raw: str, tp: Any) -> Any:
     lowered = raw.strip().lower()
     if _matches(True, tp) and lowered in ("true", "yes", "1", "false", "no", "0"):
         return lowered in ("true", "yes", "1")
-    if lowered in ("none", "null"):
-        return None
+    if lowered == "null" or (lowered == "none" and not _matches("none", tp)):
+        return None  # "none" stays a string where one is allowed (report_to none)
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
