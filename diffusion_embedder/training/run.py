@@ -29,6 +29,10 @@ from diffusion_embedder.training.trainer import (
 logger = logging.getLogger(__name__)
 
 RESUME_LAST = ("last", "latest", "auto", "true")
+USAGE = (
+    "usage: [torchrun --nproc_per_node=N] experiments/run_supervised.py CONFIG.json [--key value ...]\n"
+    "CONFIG.json: model/data/custom fields and Hugging Face TrainingArguments (see train_configs/)."
+)
 
 
 def _number(value: float) -> str:
@@ -141,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
     )
     argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
     try:
         cfg = parse_args(argv)
         train(cfg)
