@@ -104,7 +104,7 @@ def train_arm(arm: str, init: Path, output_dir: Path, settings: DemoSettings) ->
     """Run the real training entry point under torchrun; returns the final checkpoint folder."""
     script = REPO / "experiments" / "run_supervised.py"
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={settings.nproc}", "--master_port=0",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc}",
         str(script), str(settings.config_dir / f"{arm}.json"),
         "--model_name_or_path", str(init), "--output_dir", str(output_dir), "--seed", str(settings.seed),
     ]

@@ -254,7 +254,9 @@ class Encoder(nn.Module):
             out.append(item)
         return out
 
-    def _tokenize_items(self, items: list[TextInput], doc_max_length: int | None = None) -> list[_Tokenized]:
+    def _tokenize_items(
+        self, items: list[TextInput], doc_max_length: int | None = None, warn: bool = True
+    ) -> list[_Tokenized]:
         """Tokenize as LLM2Vec does; over-long texts are cut on the text side so the instruction survives.
 
         Each text is tokenized once whole (the exact LLM2Vec sequence); only texts past ``max_length``
@@ -289,7 +291,8 @@ class Encoder(nn.Module):
                     truncated.add(i)
             pending = [i for i, _ in over]
         if truncated:
-            logger.warning(
+            logger.log(
+                logging.WARNING if warn else logging.DEBUG,
                 "%d of %d texts were longer than max_length=%d tokens and were truncated on the text side.",
                 len(truncated),
                 len(items),
@@ -316,10 +319,10 @@ class Encoder(nn.Module):
     def tokenize(self, inputs: Sequence[str | Sequence[str]]) -> dict[str, torch.Tensor]:
         """Strings or ``[instruction, text]`` pairs to padded ``input_ids``, ``attention_mask`` and ``embed_mask``.
 
-        This is the training path: texts are cut only at ``max_length`` (as upstream training did);
-        ``encode`` also applies ``doc_max_length``.
+        This is the training path: texts are cut only at ``max_length`` (as upstream training did, and
+        logged at debug level rather than once per batch); ``encode`` also applies ``doc_max_length``.
         """
-        return self._collate(self._tokenize_items(parse_inputs(inputs)))
+        return self._collate(self._tokenize_items(parse_inputs(inputs), warn=False))
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
