@@ -400,11 +400,8 @@ class Encoder(nn.Module):
         return out
 
     def _encode_on_pool(self, tokenized, batches, devices, show_progress_bar) -> torch.Tensor:
-        from diffusion_embedder.multiprocess import DevicePool
-
         if self._pool_workers is None or self._pool_workers.devices != list(devices):
-            self.stop_pool()
-            self._pool_workers = DevicePool(self, devices)
+            self.start_pool(devices)
         out = torch.empty((len(tokenized), self.embedding_dim), dtype=torch.float32)
         features = [self._collate([tokenized[i] for i in batch]) for batch in batches]
         for index, embeddings in tqdm(

@@ -76,6 +76,7 @@ def pool(
     latent: LatentAttentionPooling | None = None,
 ) -> torch.Tensor:
     """Pool ``hidden`` (B, L, d). ``pool_mask`` marks the tokens that count (the text span, or all tokens)."""
+    check_pooling_mode(mode)
     if mode == "mean":
         return masked_mean(hidden, pool_mask)
     if mode == "weighted_mean":
@@ -84,8 +85,6 @@ def pool(
         return last_token(hidden, attention_mask)
     if mode == "bos_token":
         return first_token(hidden, attention_mask)
-    if mode == "latent_attention":
-        if latent is None:
-            raise ValueError("latent_attention pooling needs its LatentAttentionPooling module.")
-        return latent(hidden, pool_mask)
-    raise ValueError(check_pooling_mode(mode))
+    if latent is None:
+        raise ValueError("latent_attention pooling needs its LatentAttentionPooling module.")
+    return latent(hidden, pool_mask)
