@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder
-from diffusion_embedder.training.trainer import COMPLETE_MARKER, TRAINABLE_WEIGHTS
+from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, TRAINABLE_WEIGHTS
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train_configs" / "tiny" / "custom.json"

@@ -13,13 +13,9 @@ from diffusion_embedder import Encoder
 from diffusion_embedder.data import ContrastiveCollator, Custom
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
 from diffusion_embedder.training.arguments import validate
-from diffusion_embedder.training.trainer import (
-    COMPLETE_MARKER,
-    EncoderTrainer,
-    NonFiniteLossError,
-    find_last_checkpoint,
-    prepare_encoder,
-)
+from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, find_last_checkpoint
+from diffusion_embedder.training.model import prepare_encoder
+from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "tests" / "fixtures" / "llm2vec_parity" / "llama"

@@ -17,14 +17,9 @@ from transformers import set_seed
 from diffusion_embedder.data import READER_NEGATIVES, ContrastiveCollator, ContrastiveDataset, load_train_dataset
 from diffusion_embedder.losses import load_loss
 from diffusion_embedder.training.arguments import ConfigError, TrainConfig, parse_args
-from diffusion_embedder.training.trainer import (
-    EncoderTrainer,
-    NonFiniteLossError,
-    StopAfterNStepsCallback,
-    find_last_checkpoint,
-    is_complete_checkpoint,
-    prepare_encoder,
-)
+from diffusion_embedder.training.checkpoints import find_last_checkpoint, is_complete_checkpoint
+from diffusion_embedder.training.model import prepare_encoder
+from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError, StopAfterNStepsCallback
 
 logger = logging.getLogger(__name__)
 

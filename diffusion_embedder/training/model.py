@@ -1,0 +1,69 @@
+"""The trainable encoder: the backbone loaded with the training-time settings, LoRA on top."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from diffusion_embedder.encoder import Encoder
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_encoder(model_args, custom, training_args) -> Encoder:
+    """Load the encoder and make it trainable: a fresh LoRA (after merging an earlier adapter such as
+    MNTP), or, when the adapter's name contains "simcse", that adapter continued (upstream's rule).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    def located(name: str | None) -> str | None:
+        """Local folders are recorded absolute, so a checkpoint loads from any working directory."""
+        return os.path.abspath(name) if name is not None and os.path.isdir(name) else name
+
+    peft_path = located(model_args.peft_model_name_or_path)
+    continue_adapter = peft_path is not None and "simcse" in peft_path.lower()
+    encoder = Encoder.from_pretrained(
+        located(model_args.model_name_or_path),
+        peft_model_name_or_path=peft_path,
+        merge_peft=not continue_adapter,
+        enable_bidirectional=model_args.bidirectional,
+        pooling_mode=model_args.pooling_mode,
+        max_length=model_args.max_seq_length,
+        doc_max_length=model_args.doc_max_length,
+        skip_instruction=model_args.skip_instruction,
+        torch_dtype=(
+            getattr(torch, model_args.torch_dtype)
+            if model_args.torch_dtype not in (None, "auto")
+            else model_args.torch_dtype
+        ),
+        attn_implementation=model_args.attn_implementation,
+        prompt_template=model_args.prompt_template,
+        device=training_args.device,
+    )
+    if continue_adapter:
+        for name, param in encoder.model.named_parameters():
+            param.requires_grad = "lora_" in name
+        for config in encoder.model.peft_config.values():
+            config.inference_mode = False
+        logger.info("Continuing the adapter %s (no new LoRA).", peft_path)
+    else:
+        lora = LoraConfig(
+            r=custom.lora_r,
+            lora_alpha=custom.lora_alpha,
+            lora_dropout=custom.lora_dropout,
+            target_modules=list(custom.lora_target_modules),
+            bias="none",
+            task_type=None,
+        )
+        encoder.model = get_peft_model(encoder.model, lora)
+    if training_args.activation_checkpointing:
+        kwargs = {"use_reentrant": False, **(training_args.activation_checkpointing_kwargs or {})}
+        encoder.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        # The Trainer would call this on the Encoder, which has no such method: it is done here.
+        training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+    trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in encoder.parameters())
+    logger.info("Trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))
+    return encoder
