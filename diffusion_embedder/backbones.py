@@ -6,7 +6,9 @@ that renames them can't silently turn an encoder causal again; the load-time sel
 path that still would.
 
 Dream is Qwen2 with bidirectional attention: its ``config.json`` is read as JSON and mapped onto a
-``Qwen2Config`` (keeping ``mask_token_id``), so no remote code is ever run.
+``Qwen2Config`` (keeping ``mask_token_id``), so no remote code is ever run. LLaDA (OLMo-style remote
+code) is Llama with bidirectional attention: its config is mapped field by field onto a ``LlamaConfig``
+and its weights are renamed at load; settings Llama cannot express are refused, never dropped.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2Tokenizer,
+)
 from transformers.utils import cached_file
 
 logger = logging.getLogger(__name__)
@@ -33,7 +46,98 @@ class BackboneSpec:
     #: The transformers ``model_type`` whose classes run the weights (Dream runs on Qwen2).
     hf_model_type: str | None = None
     #: LoRA target modules (the same 7 projections for every decoder we support).
+    #: LoRA target modules, named as in the transformers classes that run the weights (LLaDA's
+    #: ``attn_out``/``ff_proj``/``ff_out`` are ``o_proj``/``gate_proj``/``down_proj`` once mapped).
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    #: Builds the transformers config from the raw config.json of a remote-code release; None = AutoConfig.
+    map_config: Callable[[dict], PretrainedConfig] | None = None
+    #: Regex renames of the checkpoint's weight names onto the transformers classes (``key_mapping``).
+    key_mapping: dict[str, str] = field(default_factory=dict)
+    #: Tokenizer class that reads the release without remote code; None = AutoTokenizer.
+    tokenizer_class: type | None = None
+
+
+#: Config keys of Dream's config.json that Qwen2Config must not see.
+_DREAM_DROP_KEYS = ("architectures", "auto_map", "model_type", "use_mrope", "transformers_version", "torch_dtype")
+
+
+def _dream_config(raw: dict) -> PretrainedConfig:
+    fields = {k: v for k, v in raw.items() if k not in _DREAM_DROP_KEYS}
+    mask_token_id = fields.pop("mask_token_id", None)
+    fields.setdefault("tie_word_embeddings", False)
+    config = Qwen2Config(**fields)
+    config.mask_token_id = mask_token_id
+    return config
+
+
+#: LLaDA/OLMo settings that Llama's code does not implement, with the only value it can run.
+_LLADA_FIXED = {
+    "block_type": "llama",
+    "activation_type": "silu",
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "bias_for_layer_norm": False,
+    "attention_layer_norm": False,
+    "input_emb_norm": False,
+    "include_qkv_bias": False,
+    "alibi": False,
+    "rope": True,
+    "scale_logits": False,
+    "residual_dropout": 0.0,
+    "embedding_dropout": 0.0,
+    "rope_scaling": None,
+}
+
+
+def _llada_config(raw: dict) -> PretrainedConfig:
+    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept."""
+    unsupported = {k: raw[k] for k, v in _LLADA_FIXED.items() if k in raw and raw[k] != v and raw[k] is not None}
+    if unsupported:
+        raise ValueError(
+            f"LLaDA config.json has settings transformers' Llama does not implement: {unsupported} "
+            f"(supported: {_LLADA_FIXED}); refusing rather than loading a different model."
+        )
+    d_model, n_heads = raw["d_model"], raw["n_heads"]
+    n_kv_heads = raw.get("n_kv_heads") or (1 if raw.get("multi_query_attention") else n_heads)
+    config = LlamaConfig(
+        vocab_size=raw.get("embedding_size") or raw["vocab_size"],
+        hidden_size=d_model,
+        intermediate_size=raw.get("mlp_hidden_size") or raw["mlp_ratio"] * d_model,
+        num_hidden_layers=raw["n_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        max_position_embeddings=raw["max_sequence_length"],
+        rms_norm_eps=raw["rms_norm_eps"],
+        rope_theta=raw["rope_theta"],
+        tie_word_embeddings=raw.get("weight_tying", False),
+        hidden_act="silu",
+        attention_bias=bool(raw.get("include_bias", False)),
+        mlp_bias=bool(raw.get("include_bias", False)),
+        attention_dropout=raw.get("attention_dropout", 0.0),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+    config.mask_token_id = raw.get("mask_token_id")
+    return config
+
+
+_BLOCK = r"model\.transformer\.blocks\.(\d+)\."
+#: LLaDA-8B weight names -> LlamaForCausalLM's (LlamaModel drops the ``model.`` prefix itself).
+LLADA_KEY_MAPPING = {
+    r"model\.transformer\.wte\.": "model.embed_tokens.",
+    _BLOCK + r"q_proj\.": r"model.layers.\1.self_attn.q_proj.",
+    _BLOCK + r"k_proj\.": r"model.layers.\1.self_attn.k_proj.",
+    _BLOCK + r"v_proj\.": r"model.layers.\1.self_attn.v_proj.",
+    _BLOCK + r"attn_out\.": r"model.layers.\1.self_attn.o_proj.",
+    _BLOCK + r"ff_proj\.": r"model.layers.\1.mlp.gate_proj.",
+    _BLOCK + r"up_proj\.": r"model.layers.\1.mlp.up_proj.",
+    _BLOCK + r"ff_out\.": r"model.layers.\1.mlp.down_proj.",
+    _BLOCK + r"attn_norm\.": r"model.layers.\1.input_layernorm.",
+    _BLOCK + r"ff_norm\.": r"model.layers.\1.post_attention_layernorm.",
+    r"model\.transformer\.ln_f\.": "model.norm.",
+    r"model\.transformer\.ff_out\.": "lm_head.",
+}
 
 
 BACKBONES: dict[str, BackboneSpec] = {
@@ -45,13 +149,17 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("qwen3"),
         BackboneSpec("gemma"),
         BackboneSpec("gemma2"),
-        BackboneSpec("Dream", hf_model_type="qwen2"),
+        BackboneSpec("Dream", hf_model_type="qwen2", map_config=_dream_config, tokenizer_class=Qwen2Tokenizer),
+        BackboneSpec(
+            "llada",
+            hf_model_type="llama",
+            map_config=_llada_config,
+            key_mapping=LLADA_KEY_MAPPING,
+            tokenizer_class=PreTrainedTokenizerFast,
+        ),
     )
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(BACKBONES)
-
-#: Config keys of Dream's config.json that Qwen2Config must not see.
-_DREAM_DROP_KEYS = ("architectures", "auto_map", "model_type", "use_mrope", "transformers_version", "torch_dtype")
 
 
 class AttentionSelfTestError(RuntimeError):
@@ -77,15 +185,11 @@ def get_spec(model_type: str) -> BackboneSpec:
 
 
 def load_config(name_or_path: str, **hub_kwargs) -> tuple[PretrainedConfig, BackboneSpec]:
-    """The transformers config for a checkpoint and its table entry; Dream is mapped onto Qwen2."""
+    """The transformers config for a checkpoint and its table entry; Dream and LLaDA are mapped from JSON."""
     raw = read_config_dict(name_or_path, **hub_kwargs)
     spec = get_spec(raw.get("model_type", "<missing model_type>"))
-    if spec.model_type == "Dream":
-        fields = {k: v for k, v in raw.items() if k not in _DREAM_DROP_KEYS}
-        mask_token_id = fields.pop("mask_token_id", None)
-        fields.setdefault("tie_word_embeddings", False)
-        config = Qwen2Config(**fields)
-        config.mask_token_id = mask_token_id
+    if spec.map_config is not None:
+        config = spec.map_config(raw)
         config.name_or_path = name_or_path
     else:
         config = AutoConfig.from_pretrained(name_or_path, **hub_kwargs)
@@ -93,14 +197,24 @@ def load_config(name_or_path: str, **hub_kwargs) -> tuple[PretrainedConfig, Back
 
 
 def load_tokenizer(name_or_path: str, spec: BackboneSpec | None = None, **hub_kwargs):
-    """The checkpoint's tokenizer; Dream's remote ``DreamTokenizer`` is Qwen2's, so Qwen2's class reads it."""
+    """The checkpoint's tokenizer, read by a built-in class for remote-code releases (Dream: Qwen2's; LLaDA:
+    ``PreTrainedTokenizerFast``). LLaDA's tokenizer names no mask token: it is set from config.json's id.
+    """
+    raw = None
     if spec is None:
-        spec = get_spec(read_config_dict(name_or_path, **hub_kwargs).get("model_type", "<missing>"))
-    if spec.model_type == "Dream":
-        from transformers import Qwen2Tokenizer
-
-        return Qwen2Tokenizer.from_pretrained(name_or_path, **hub_kwargs)
-    return AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
+        raw = read_config_dict(name_or_path, **hub_kwargs)
+        spec = get_spec(raw.get("model_type", "<missing>"))
+    if spec.tokenizer_class is None:
+        return AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
+    tokenizer = spec.tokenizer_class.from_pretrained(name_or_path, **hub_kwargs)
+    if tokenizer.mask_token is None:
+        try:
+            raw = raw or read_config_dict(name_or_path, **hub_kwargs)
+        except OSError:  # an adapter folder: no config.json, and its saved tokenizer already names the mask
+            raw = {}
+        if raw.get("mask_token_id") is not None:
+            tokenizer.mask_token = tokenizer.convert_ids_to_tokens(raw["mask_token_id"])
+    return tokenizer
 
 
 def set_bidirectional(model: PreTrainedModel, enable: bool) -> None:
@@ -170,8 +284,10 @@ def load_backbone(
         load_kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         load_kwargs["device_map"] = device_map
+    if spec.key_mapping:
+        load_kwargs["key_mapping"] = spec.key_mapping
     model = AutoModel.from_pretrained(name_or_path, use_safetensors=True, **load_kwargs)
-    if spec.model_type == "Dream":
+    if getattr(config, "mask_token_id", None) is not None:
         model.config.mask_token_id = config.mask_token_id
     set_bidirectional(model, enable_bidirectional)
     check_attention(model, expect_bidirectional=enable_bidirectional)

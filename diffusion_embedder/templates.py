@@ -15,8 +15,10 @@ from dataclasses import dataclass
 SEPARATOR = "!@#$%^&*()"
 
 _IM_TEMPLATE = "<|im_start|>user\n{text}<|im_end|>"
+#: LLaDA's chat format; its tokenizer adds no BOS, so the template carries it (as LLaDA's chat template does).
+_LLADA_TEMPLATE = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n{text}<|eot_id|>"
 
-#: Chat wrappers LLM2Vec hard-coded by hub name (kept for compatibility), plus Dream's.
+#: Chat wrappers LLM2Vec hard-coded by hub name (kept for compatibility), plus Dream's and LLaDA's.
 #: Unlike upstream, the template is an encoder setting saved with the checkpoint, so training and
 #: evaluation see the same format.
 DEFAULT_TEMPLATES: dict[str, str] = {
@@ -28,6 +30,8 @@ DEFAULT_TEMPLATES: dict[str, str] = {
     "Qwen/Qwen2-7B-Instruct": _IM_TEMPLATE,
     "Dream-org/Dream-v0-Instruct-7B": _IM_TEMPLATE,
     "siyue/Dream_emb": _IM_TEMPLATE,
+    "GSAI-ML/LLaDA-8B-Instruct": _LLADA_TEMPLATE,
+    "GSAI-ML/LLaDA-1.5": _LLADA_TEMPLATE,
 }
 
 #: EOS strings LLM2Vec used for ``eos_token`` pooling where they differ from the backbone default.

@@ -14,6 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA_FIXTURE = FIXTURES / "llm2vec_parity" / "llama"
 MISTRAL_FIXTURE = FIXTURES / "llm2vec_parity" / "mistral"
 DREAM_FIXTURE = FIXTURES / "dream_reference"
+LLADA_FIXTURE = FIXTURES / "llada_reference"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 QWEN_TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json")
 
@@ -26,7 +27,9 @@ FAMILY_CONFIGS = {
     "gemma": {"head_dim": 16},
     "gemma2": {"head_dim": 16},
 }
-FAMILIES = (*FAMILY_CONFIGS, "Dream")
+#: The reference checkpoints stand in for the diffusion families (they carry a mask token).
+REFERENCE_FAMILIES = {"Dream": DREAM_FIXTURE, "llada": LLADA_FIXTURE}
+FAMILIES = (*FAMILY_CONFIGS, *REFERENCE_FAMILIES)
 
 
 def copy_tokenizer(model_type: str, folder: Path) -> None:
@@ -67,12 +70,12 @@ def make_tiny_checkpoint(model_type: str, folder: Path, seed: int = 0) -> Path:
 
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory):
-    """``family_checkpoint(name)`` -> folder of a tiny checkpoint of that family (Dream: the reference)."""
+    """``family_checkpoint(name)`` -> folder of a tiny checkpoint of that family (Dream, LLaDA: the references)."""
     made: dict[str, Path] = {}
 
     def get(family: str) -> Path:
-        if family == "Dream":
-            return DREAM_FIXTURE
+        if family in REFERENCE_FAMILIES:
+            return REFERENCE_FAMILIES[family]
         if family not in made:
             made[family] = make_tiny_checkpoint(family, tmp_path_factory.mktemp(family))
         return made[family]

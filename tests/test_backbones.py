@@ -1,4 +1,4 @@
-"""Backbones: Dream reference parity, the bidirectional switch per family and backend, the self-test."""
+"""Backbones: Dream and LLaDA reference parity, the bidirectional switch per family and backend, the self-test."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import DREAM_FIXTURE, FAMILIES, default_attention
-from transformers import AutoConfig
+from conftest import DREAM_FIXTURE, FAMILIES, LLADA_FIXTURE, default_attention
+from safetensors.torch import load_file
+from transformers import AutoConfig, LlamaForCausalLM
 
 from diffusion_embedder import SUPPORTED_MODEL_TYPES, load_backbone
-from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_tokenizer
+from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_config, load_tokenizer
 
 DREAM_CASES = json.loads((DREAM_FIXTURE / "cases.json").read_text())
+LLADA_CASES = json.loads((LLADA_FIXTURE / "cases.json").read_text())
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -100,3 +102,101 @@ def test_unsupported_model_type_lists_supported(tmp_path):
         load_backbone(str(tmp_path / "m"))
     for name in SUPPORTED_MODEL_TYPES:
         assert name in str(error.value)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_llada_reproduces_reference(attn):
+    """Hidden states after ln_f and logits of LLaDA's own code, on transformers' Llama without remote code."""
+    model = load_backbone(str(LLADA_FIXTURE), attn_implementation=attn)
+    config, spec = load_config(str(LLADA_FIXTURE))
+    config.is_causal = False
+    lm = LlamaForCausalLM.from_pretrained(str(LLADA_FIXTURE), config=config, key_mapping=spec.key_mapping)
+    for case in LLADA_CASES:
+        ids = torch.tensor(case["input_ids"])
+        with torch.no_grad():
+            hidden = model(input_ids=ids, use_cache=False).last_hidden_state
+            logits = lm(input_ids=ids, use_cache=False).logits
+        assert torch.allclose(hidden, torch.tensor(case["last_hidden_state"]), atol=1e-4, rtol=0)
+        assert torch.allclose(logits, torch.tensor(case["logits"]), atol=1e-4, rtol=0)
+
+
+def llada_by_hand(ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """LLaDA's llama block written out from its config and raw weight names (no transformers code)."""
+    raw = json.loads((LLADA_FIXTURE / "config.json").read_text())
+    w = {k.removeprefix("model.transformer."): v for k, v in load_file(LLADA_FIXTURE / "model.safetensors").items()}
+    heads, eps = raw["n_heads"], raw["rms_norm_eps"]
+    dim = raw["d_model"] // heads
+
+    def norm(x, gain):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
+
+    inv_freq = 1.0 / raw["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(ids.shape[1], dtype=torch.float32)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rope(x):  # rotate-half (NeoX) form
+        half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
+        return x * cos + half * sin
+
+    x = w["wte.weight"][ids]
+    for i in range(raw["n_layers"]):
+        b = {k.removeprefix(f"blocks.{i}."): v for k, v in w.items() if k.startswith(f"blocks.{i}.")}
+        h = norm(x, b["attn_norm.weight"])
+        q, k, v = (
+            (h @ b[f"{n}.weight"].T).view(*ids.shape, heads, dim).transpose(1, 2)
+            for n in ("q_proj", "k_proj", "v_proj")
+        )
+        att = torch.nn.functional.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=causal)
+        x = x + att.transpose(1, 2).reshape(*ids.shape, -1) @ b["attn_out.weight"].T
+        h = norm(x, b["ff_norm.weight"])
+        gated = torch.nn.functional.silu(h @ b["ff_proj.weight"].T) * (h @ b["up_proj.weight"].T)
+        x = x + gated @ b["ff_out.weight"].T
+    return norm(x, w["ln_f.weight"])
+
+
+def test_llada_causal_matches_a_hand_written_forward():
+    """No causal reference ships with the fixture: a hand-written forward, itself checked against the
+    bidirectional reference, is the reference for the causal ablation."""
+    causal = load_backbone(str(LLADA_FIXTURE), enable_bidirectional=False)
+    for case in LLADA_CASES:
+        ids = torch.tensor(case["input_ids"])
+        assert torch.allclose(llada_by_hand(ids, causal=False), torch.tensor(case["last_hidden_state"]), atol=1e-4)
+        with torch.no_grad():
+            out = causal(input_ids=ids, use_cache=False).last_hidden_state
+        assert torch.allclose(out, llada_by_hand(ids, causal=True), atol=1e-4, rtol=0)
+
+
+def test_llada_is_llama_without_remote_code(tmp_path):
+    with pytest.raises(ValueError):
+        AutoConfig.from_pretrained(str(LLADA_FIXTURE))  # the folder asks for remote code
+    model = load_backbone(str(LLADA_FIXTURE))
+    assert type(model).__name__ == "LlamaModel" and model.config.is_causal is False
+    assert model.config.mask_token_id == 956
+    tokenizer = load_tokenizer(str(LLADA_FIXTURE))
+    assert (tokenizer.mask_token, tokenizer.mask_token_id) == ("<|mdm_mask|>", 956)
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer("a b")["input_ids"][0] != tokenizer.bos_token_id  # LLaDA adds no BOS by itself
+    # A setting Llama's code cannot run is refused by name, not dropped.
+    raw = json.loads((LLADA_FIXTURE / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "alibi": True}))
+    with pytest.raises(ValueError, match="'alibi': True"):
+        load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_llada_padding_does_not_leak(side):
+    """Upstream LLaDA ignores attention_mask; here each padded row equals its unpadded reference."""
+    model = load_backbone(str(LLADA_FIXTURE))
+    rows = [(torch.tensor(c["input_ids"][0]), torch.tensor(c["last_hidden_state"][0])) for c in LLADA_CASES]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), 941)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, _) in enumerate(rows):
+        where = slice(width - len(ids), width) if side == "left" else slice(0, len(ids))
+        input_ids[i, where], mask[i, where] = ids, 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    for i, (_, expected) in enumerate(rows):
+        got = out.last_hidden_state[i][mask[i].bool()]
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (side, i)
