@@ -203,7 +203,7 @@ def test_bad_beir_folders_name_file_and_line(tmp_path):
     (tmp_path / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n{"_id": "d2"}\n')
     (tmp_path / "queries.jsonl").write_text('{"_id": "q1", "text": "y"}\n')
     (tmp_path / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\n")
-    with pytest.raises(ValueError, match=r"corpus.jsonl, line 2: missing field 'text'"):
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: missing field 'text'"):
         local.load_local_task(str(tmp_path))
     (tmp_path / "corpus.jsonl").write_text('{"_id": "d1", "text": "x"}\n')
     (tmp_path / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td9\t1\n")

@@ -4,15 +4,18 @@ FollowIR scores the same corpus under original and changed instructions, BRIGHT 
 while tuning instructions, and an interrupted run restarts: none of that should re-encode documents.
 One folder per (model identity, settings) key; inside, append-only shards of ``.npy`` rows with the
 SHA-256 of each text beside them. A shard counts only once its key file exists (written last), so a
-run killed mid-write leaves the cache valid.
+run killed mid-write leaves the cache valid; a shard damaged later (truncated, emptied, missing, a bad
+key file) is discarded with a warning naming the file, and its texts are encoded again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +23,44 @@ from dataclasses import dataclass, field
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+
+KEYS_SUFFIX = ".keys.json"
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+class _BadShard(Exception):
+    """A shard that cannot be trusted: ``path`` is the file at fault, the message says why."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(reason)
+        self.path = path
+
+
+def _read_shard(folder: str, shard: str) -> tuple[list[str], np.ndarray]:
+    """The text hashes and the (memory-mapped) rows of one shard, or ``_BadShard`` naming the broken file.
+
+    Checked: the key file is a JSON list of SHA-256 hex digests; the ``.npy`` exists, is complete, is a
+    2-D float32 array, and has one row per key. A truncated, emptied or mismatched file never serves rows.
+    """
+    keys_path = os.path.join(folder, shard + KEYS_SUFFIX)
+    try:
+        with open(keys_path, encoding="utf-8") as f:
+            hashes = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _BadShard(keys_path, f"unreadable key file: {e}") from None
+    if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.match(h) for h in hashes):
+        raise _BadShard(keys_path, "the key file is not a list of SHA-256 text hashes")
+    rows_path = os.path.join(folder, f"{shard}.npy")
+    try:
+        rows = np.load(rows_path, mmap_mode="r")
+    except FileNotFoundError:
+        raise _BadShard(rows_path, "missing") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise _BadShard(rows_path, f"unreadable or truncated: {e}") from None
+    if rows.ndim != 2 or rows.dtype != np.float32 or rows.shape[0] != len(hashes):
+        raise _BadShard(rows_path, f"array {rows.dtype}{rows.shape} does not match {len(hashes)} keys")
+    return hashes, rows
 
 
 def text_hash(text: str) -> str:
@@ -57,13 +98,23 @@ class EmbeddingCache:
             return self._index[key]
         index: dict[str, tuple[str, int]] = {}
         folder = self._folder(key)
+        dim: int | None = None
         if os.path.isdir(folder):
             for name in sorted(os.listdir(folder)):
-                if not name.endswith(".keys.json"):
+                if not name.endswith(KEYS_SUFFIX):
                     continue
-                shard = name[: -len(".keys.json")]
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    hashes = json.load(f)
+                shard = name[: -len(KEYS_SUFFIX)]
+                try:
+                    hashes, rows = _read_shard(folder, shard)
+                    if dim is not None and rows.shape[1] != dim:
+                        raise _BadShard(os.path.join(folder, f"{shard}.npy"), f"{rows.shape[1]} columns, not {dim}")
+                except _BadShard as bad:
+                    logger.warning("Embedding cache: discarding %s (%s); its texts are encoded again.", bad.path, bad)
+                    for path in (os.path.join(folder, name), os.path.join(folder, f"{shard}.npy")):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(path)
+                    continue
+                dim = rows.shape[1]
                 for row, h in enumerate(hashes):
                     index.setdefault(h, (shard, row))
         self._index[key] = index
@@ -82,7 +133,7 @@ class EmbeddingCache:
         os.replace(tmp, os.path.join(folder, f"{shard}.npy"))
         with open(os.path.join(folder, f"{shard}.keys.tmp"), "w", encoding="utf-8") as f:
             json.dump(hashes, f)
-        os.replace(os.path.join(folder, f"{shard}.keys.tmp"), os.path.join(folder, f"{shard}.keys.json"))
+        os.replace(os.path.join(folder, f"{shard}.keys.tmp"), os.path.join(folder, shard + KEYS_SUFFIX))
         index = self._load_index(key)
         for row, h in enumerate(hashes):
             index.setdefault(h, (shard, row))

@@ -26,28 +26,57 @@ from mteb.abstasks import AbsTaskRetrieval
 from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 from mteb.abstasks.task_metadata import TaskMetadata
 
+from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
+
 logger = logging.getLogger(__name__)
 
 OG, CHANGED = "-og", "-changed"
 
 
-def _read_jsonl(path: str, required: tuple[str, ...]) -> list[dict]:
+CORPUS_FIELDS = (Field("_id", "int|str"), Field("text"), Field("title", required=False, nullable=True))
+QUERY_FIELDS = (Field("_id", "int|str"), Field("text"), Field("instruction", required=False, nullable=True))
+ID_LIST_FIELDS = (Field("query-id", "int|str"), Field("corpus-ids", "list[str]"))
+#: ``task.json`` keys and their types; anything else is a typo we refuse rather than ignore.
+TASK_KEYS: dict[str, type] = {"name": str, "instruction": str, "main_score": str, "description": str}
+
+
+def _read_rows(path: str, fields: tuple[Field, ...], id_key: str | None = None) -> list[dict]:
+    """Validated rows of a JSONL file: an empty file or a repeated id is a ``file:line`` error too."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Missing {path}.")
-    rows = []
+    numbered, _ = read_jsonl(path, fields, lambda record, index: (index + 1, record))
+    if not numbered:
+        raise DataFormatError(f"{path}: no records (the file is empty).")
+    if id_key is not None:
+        first_line: dict[str, int] = {}
+        for line, row in numbered:
+            key = str(row[id_key])
+            if key in first_line:
+                raise DataFormatError(f"{path}:{line}: duplicate {id_key} {key!r} (first on line {first_line[key]}).")
+            first_line[key] = line
+    return [row for _, row in numbered]
+
+
+def read_task_config(folder: str) -> dict:
+    """``task.json`` of a local task, validated; an absent file means every default."""
+    path = os.path.join(folder, "task.json")
+    if not os.path.exists(path):
+        return {}
     with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {line_no}: not valid JSON ({e.msg}).") from e
-            for key in required:
-                if key not in row:
-                    raise ValueError(f"{path}, line {line_no}: missing field {key!r} (has {sorted(row)}).")
-            rows.append(row)
-    return rows
+        text = f.read()
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+    if not isinstance(config, dict):
+        raise DataFormatError(f"{path}: expected a JSON object with keys {sorted(TASK_KEYS)}.")
+    unknown = sorted(set(config) - set(TASK_KEYS))
+    if unknown:
+        raise DataFormatError(f"{path}: unknown key(s) {unknown}; known: {sorted(TASK_KEYS)}.")
+    for key, value in config.items():
+        if not isinstance(value, TASK_KEYS[key]):
+            raise DataFormatError(f"{path}: {key!r} must be a string, got {type(value).__name__}: {value!r:.80}.")
+    return config
 
 
 def _read_qrels(path: str) -> dict[str, dict[str, int]]:
@@ -140,8 +169,8 @@ class LocalRetrievalTask(AbsTaskRetrieval):
 
 def read_beir(folder: str, split: str = "test"):
     """Corpus rows, query rows, qrels and optional candidate lists of a BEIR folder, validated."""
-    corpus = _read_jsonl(os.path.join(folder, "corpus.jsonl"), ("_id", "text"))
-    queries = _read_jsonl(os.path.join(folder, "queries.jsonl"), ("_id", "text"))
+    corpus = _read_rows(os.path.join(folder, "corpus.jsonl"), CORPUS_FIELDS, "_id")
+    queries = _read_rows(os.path.join(folder, "queries.jsonl"), QUERY_FIELDS, "_id")
     qrels = _read_qrels(os.path.join(folder, "qrels", f"{split}.tsv"))
     doc_ids = {str(r["_id"]) for r in corpus}
     query_ids = {str(r["_id"]) for r in queries}
@@ -155,7 +184,7 @@ def read_beir(folder: str, split: str = "test"):
     path = os.path.join(folder, "top_ranked.jsonl")
     if os.path.isfile(path):
         top_ranked = {str(r["query-id"]): [str(d) for d in r["corpus-ids"]] for r in
-                      _read_jsonl(path, ("query-id", "corpus-ids"))}
+                      _read_rows(path, ID_LIST_FIELDS, "query-id")}
     return corpus, queries, qrels, top_ranked
 
 
@@ -163,20 +192,23 @@ def load_local_task(folder: str, name: str | None = None, split: str = "test") -
     """An mteb task over a BEIR folder (p-MRR instruction retrieval when queries come in og/changed pairs)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"Local task folder {folder!r} does not exist.")
-    config_path = os.path.join(folder, "task.json")
-    config = {}
-    if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+    config = read_task_config(folder)
     _, queries, qrels, top_ranked = read_beir(folder, split)
     query_ids = [str(r["_id"]) for r in queries]
+    unjudged = [qid for qid in query_ids if not any(s > 0 for s in qrels.get(qid, {}).values())]
+    if unjudged:
+        logger.warning(
+            "%d of %d queries in %s have no relevant document in %s (first: %r); check the qrels.",
+            len(unjudged), len(query_ids), os.path.join(folder, "queries.jsonl"),
+            os.path.join(folder, "qrels", f"{split}.tsv"), unjudged[0],
+        )
     instruction_task = is_instruction_task(query_ids)
     changed = None
     if instruction_task:
         diff_path = os.path.join(folder, "qrel_diff.jsonl")
         if os.path.isfile(diff_path):
             changed = {str(r["query-id"]): [str(d) for d in r["corpus-ids"]]
-                       for r in _read_jsonl(diff_path, ("query-id", "corpus-ids"))}
+                       for r in _read_rows(diff_path, ID_LIST_FIELDS, "query-id")}
         else:
             changed = derive_qrel_diff(qrels)
         if not changed:
@@ -189,7 +221,7 @@ def load_local_task(folder: str, name: str | None = None, split: str = "test") -
     main_score = config.get("main_score") or ("p-MRR" if instruction_task else "ndcg_at_10")
     metadata = TaskMetadata(
         name=name,
-        description=f"Local BEIR folder {os.path.abspath(folder)}",
+        description=config.get("description") or f"Local BEIR folder {os.path.abspath(folder)}",
         dataset={"path": os.path.abspath(folder), "revision": folder_hash(folder)},
         type=task_type,
         category="t2t",

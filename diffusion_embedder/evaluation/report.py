@@ -20,7 +20,7 @@ from diffusion_embedder.evaluation.tasks import benchmark_of
 logger = logging.getLogger(__name__)
 
 BENCHMARK_ORDER = ("followir", "longembed", "bright", "local")
-SKIP_FILES = {"model_meta.json", "identity.json"}
+SKIP_FILES = {"model_meta.json", "identity.json"}  # identity.json: written by older versions
 #: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
 OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
 OG_DEFAULT = "map_at_1000"
@@ -72,10 +72,28 @@ def _model_label(folder: Path) -> str:
     return label
 
 
-def load_results(paths: list[str]) -> ResultTable:
-    """Collect every model folder under ``paths``."""
+def _read_result(file: Path):
     from mteb.results import TaskResult
 
+    try:
+        return TaskResult.from_disk(file)
+    except Exception as e:  # noqa: BLE001 - truncated JSON, wrong schema: the file is what the user must fix
+        raise ValueError(
+            f"{file}: cannot read this result ({type(e).__name__}: {str(e)[:200]}); rerun its evaluation "
+            "with --overwrite, or remove the file."
+        ) from None
+
+
+def _same_result(a, b) -> bool:
+    """The same scores on the same data (a copied folder), whatever the run time."""
+    def scores(result) -> str:  # JSON text, so that NaN metrics compare equal
+        return json.dumps(result.scores, sort_keys=True, default=str)
+
+    return a.dataset_revision == b.dataset_revision and scores(a) == scores(b)
+
+
+def load_results(paths: list[str]) -> ResultTable:
+    """Collect every model folder under ``paths``; two different results for one column and task are an error."""
     table = ResultTable()
     folders = []
     for path in paths:
@@ -84,6 +102,7 @@ def load_results(paths: list[str]) -> ResultTable:
         folders.extend(sorted(p.parent for p in Path(path).rglob("model_meta.json")))
     if not folders:
         raise ValueError(f"No results (model_meta.json) found under {paths}.")
+    sources: dict[tuple[str, str], tuple[Path, object]] = {}
     for folder in folders:
         label = _model_label(folder)  # the same checkpoint and settings in several folders is one column
         if label not in table.scores:
@@ -93,7 +112,17 @@ def load_results(paths: list[str]) -> ResultTable:
         for file in sorted(folder.glob("*.json")):
             if file.name in SKIP_FILES:
                 continue
-            result = TaskResult.from_disk(file)
+            result = _read_result(file)
+            seen = sources.get((label, result.task_name))
+            if seen is not None:
+                if _same_result(seen[1], result):
+                    continue
+                raise ValueError(
+                    f"Two different results for {label} on {result.task_name}: {seen[0]} "
+                    f"(score {seen[1].get_score():.6g}, data {seen[1].dataset_revision}) and {file} "
+                    f"(score {result.get_score():.6g}, data {result.dataset_revision}); report one of them."
+                )
+            sources[(label, result.task_name)] = (file, result)
             table.scores[label][result.task_name] = 100 * float(result.get_score())
             metric = OG_METRIC.get(result.task_name, OG_DEFAULT)
             og = [s["og"][metric] for split in result.scores.values() for s in split if "og" in s]

@@ -1,8 +1,9 @@
 """Evaluation driver: load a checkpoint, build the tasks, run mteb per task, keep going past failures.
 
 Results go to ``OUTPUT_DIR/results/<name>/<revision>/experiments/<ablation>/<Task>.json`` (mteb's
-layout); the revision is a hash of the loaded weights and settings, and ``identity.json`` beside the
-results is checked on every run, so scores of another checkpoint are never reused.
+layout); the revision is a hash of the loaded weights and settings, and ``identity.jsonl`` beside the
+results is checked on every run, so scores of another checkpoint are never reused. A stored result
+is reused only for the same data (dataset revision; for local tasks a hash of their files).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from diffusion_embedder.evaluation.tasks import resolve_task_names
 
 logger = logging.getLogger(__name__)
 
+#: Beside the results: the weights and settings they belong to. Not ``*.json``: mteb's ResultCache reads
+#: every ``*.json`` next to ``model_meta.json`` as a task result.
+IDENTITY_FILE = "identity.jsonl"
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
 FULL_RANKING = 2**62
 
@@ -187,12 +191,18 @@ def task_factories(args: EvalArguments) -> list[tuple[str, Callable]]:
 
 def check_identity(results_dir: Path, identity: dict) -> None:
     """Refuse a results folder written by another checkpoint (same name/revision, different weights)."""
-    path = results_dir / "identity.json"
+    path = results_dir / IDENTITY_FILE
+    legacy = results_dir / "identity.json"
+    if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
+        legacy.rename(path)
     # where the weights were loaded from is provenance, not identity (a copied checkpoint is the same one)
     settings = {k: v for k, v in identity["settings"].items() if k != "base_model_name_or_path"}
     record = {"weights": identity["weights"], "settings": settings}
     if path.exists():
-        stored = json.loads(path.read_text())
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"{path} is not valid JSON ({e.msg}); delete it to re-record this folder.") from None
         if stored != json.loads(json.dumps(record, default=str)):
             raise RuntimeError(
                 f"{results_dir} holds results of another checkpoint (weights {str(stored.get('weights'))[:12]}..., "
@@ -200,7 +210,32 @@ def check_identity(results_dir: Path, identity: dict) -> None:
             )
         return
     results_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, sort_keys=True, default=str))
+    path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")
+
+
+def rescore_reason(cache, task, meta) -> str | None:
+    """Why the stored result of ``task`` must not be reused (its data changed), or None when it may be.
+
+    mteb reuses a complete result whatever data it was computed on; the result records the dataset
+    revision (for a local task, the hash of its files), so we compare it with the task's own. An
+    unreadable result is an error naming the file, never a silent rerun or a crash inside mteb.
+    """
+    from mteb.results import TaskResult
+
+    path = cache.get_task_result_path(task.metadata.name, meta)
+    if not path.is_file():
+        return None
+    try:
+        stored = TaskResult.from_disk(path)
+    except Exception as e:  # noqa: BLE001 - truncated JSON, wrong schema: all mean the same to the user
+        raise ValueError(
+            f"{path}: cannot read this stored result ({type(e).__name__}: {str(e)[:200]}); "
+            f"rerun with --overwrite to score {task.metadata.name} again."
+        ) from None
+    if stored.dataset_revision != task.metadata.revision:
+        return (f"its data changed since {path} was written "
+                f"(dataset revision {stored.dataset_revision} -> {task.metadata.revision})")
+    return None
 
 
 def apply_top_k(task, top_k: int | None) -> None:
@@ -225,12 +260,15 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
             task = build()
             label = task.metadata.name
             apply_top_k(task, args.top_k)
+            reason = None if args.overwrite else rescore_reason(cache, task, model.mteb_model_meta)
+            if reason:
+                logger.warning("%s: scoring again: %s.", label, reason)
             result = mteb.evaluate(
                 model,
                 task,
                 cache=cache,
                 encode_kwargs={"batch_size": args.batch_size, "show_progress_bar": args.show_progress_bar},
-                overwrite_strategy="always" if args.overwrite else "only-missing",
+                overwrite_strategy="always" if args.overwrite or reason else "only-missing",
                 co2_tracker=False,
                 prediction_folder=prediction_folder,
                 show_progress_bar=False,

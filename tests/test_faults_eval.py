@@ -1,0 +1,258 @@
+"""Fault injection for evaluation: edited local data, conflicting results, damaged cache and result files, bad
+BEIR folders. Each case must end in a correct score or a clear error naming the file, never a stale number."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
+from diffusion_embedder.evaluation import report, run  # noqa: E402
+from diffusion_embedder.evaluation.cache import EmbeddingCache, settings_key, text_hash  # noqa: E402
+from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
+from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+
+TASK = "HandRetrieval"
+INSTRUCTION = "Find the matching note:"
+
+
+class VectorStandIn:
+    """Embeds the vector written in each text (``v=1,0,0``) and records every input it receives."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(max_length=512, doc_max_length=400, to_dict=lambda: {"kind": "vectors"})
+        self.calls: list[list[list[str]]] = []
+
+    def encode(self, sentences, batch_size=32, show_progress_bar=True, convert_to_numpy=False, **kwargs):
+        self.calls.append([list(s) for s in sentences])
+        return np.array([[float(x) for x in re.search(r"v=([\d,]+)", t).group(1).split(",")] for _, t in sentences])
+
+
+def write_task(folder: Path) -> Path:
+    """Four documents, three queries; ranks: q1 d1 first, q2 d3 first, q3 its relevant d2 second."""
+    docs = {"d1": "1,0,0", "d2": "0,1,0", "d3": "0,0,1", "d4": "2,1,0"}
+    queries = {"q1": "1,0,0", "q2": "0,1,2", "q3": "1,2,3"}  # no ties next to a relevant document
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(
+        json.dumps({"_id": d, "title": "", "text": f"note {d} v={v}"}) + "\n" for d, v in docs.items()))
+    (folder / "queries.jsonl").write_text("".join(
+        json.dumps({"_id": q, "text": f"ask {q} v={v}"}) + "\n" for q, v in queries.items()))
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td3\t1\nq3\td2\t1\n")
+    (folder / "task.json").write_text(json.dumps({"name": TASK, "instruction": INSTRUCTION}))
+    return folder
+
+
+def vec(text: str) -> np.ndarray:
+    return np.array([float(x) for x in re.search(r"v=([\d,]+)", text).group(1).split(",")])
+
+
+def hand_ndcg_at_10(folder: Path) -> float:
+    """nDCG@10 from the files themselves: cosine ranking, binary gains, log2 discount, mean over queries."""
+    docs = [json.loads(line) for line in (folder / "corpus.jsonl").read_text().splitlines()]
+    queries = [json.loads(line) for line in (folder / "queries.jsonl").read_text().splitlines()]
+    relevant: dict[str, set[str]] = {}
+    for line in (folder / "qrels" / "test.tsv").read_text().splitlines()[1:]:
+        qid, did, score = line.split("\t")
+        if int(score) > 0:
+            relevant.setdefault(qid, set()).add(did)
+    values = []
+    for q in queries:
+        qv = vec(q["text"])
+        sims = [qv @ vec(d["text"]) / np.linalg.norm(qv) / np.linalg.norm(vec(d["text"])) for d in docs]
+        ranked = [docs[i]["_id"] for i in np.argsort(-np.array(sims), kind="stable")][:10]
+        dcg = sum(1 / np.log2(r + 2) for r, d in enumerate(ranked) if d in relevant[q["_id"]])
+        values.append(dcg / sum(1 / np.log2(r + 2) for r in range(min(10, len(relevant[q["_id"]])))))
+    return float(np.mean(values))
+
+
+def evaluate(folder: Path, out: Path, overwrite: bool = False):
+    args = run.EvalArguments(output_dir=str(out), local_task=[str(folder)], no_embedding_cache=True,
+                             overwrite=overwrite, show_progress_bar=False)
+    stand_in = VectorStandIn()
+    model = MTEBEncoder(stand_in, name="test/vectors", revision="hand")
+    outcome = run.evaluate(model, run.task_factories(args), args)
+    return SimpleNamespace(outcome=outcome, calls=stand_in.calls, score=outcome.scores.get(TASK))
+
+
+def edit_qrels(folder: Path) -> None:  # q3's relevant document becomes d4, its third
+    path = folder / "qrels" / "test.tsv"
+    path.write_text(path.read_text().replace("q3\td2\t1", "q3\td4\t1"))
+
+
+def edit_corpus(folder: Path) -> None:  # d3 moves away from q2 (now its second)
+    path = folder / "corpus.jsonl"
+    path.write_text(path.read_text().replace("note d3 v=0,0,1", "note d3 v=2,0,1"))
+
+
+def edit_queries(folder: Path) -> None:  # q1 now ranks its relevant d1 last
+    path = folder / "queries.jsonl"
+    path.write_text(path.read_text().replace("ask q1 v=1,0,0", "ask q1 v=0,3,1"))
+
+
+def edit_task_json(folder: Path) -> None:
+    (folder / "task.json").write_text(json.dumps({"name": TASK, "instruction": "Another instruction:"}))
+
+
+# ------------------------------------------------------------------ edited local data scores again
+@pytest.mark.parametrize("edit", [edit_qrels, edit_corpus, edit_queries, edit_task_json], ids=lambda f: f.__name__)
+def test_editing_a_local_task_file_scores_the_task_again(tmp_path, edit):
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    first = evaluate(folder, out)
+    assert first.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
+    unchanged = evaluate(folder, out)
+    assert unchanged.calls == [] and unchanged.score == first.score  # a finished task is skipped
+    edit(folder)
+    second = evaluate(folder, out)
+    assert second.calls, "the edited task must be scored again, not served from the stored result"
+    assert second.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
+    if edit is edit_task_json:
+        assert {i for call in second.calls for i, _ in call} >= {"Another instruction:"}
+    else:
+        assert second.score != pytest.approx(first.score)
+    stored = json.loads(next(out.rglob(f"{TASK}.json")).read_text())
+    assert stored["dataset_revision"] == load_local_task(str(folder)).metadata.revision
+
+
+# ------------------------------------------------------------------ two results for one column
+def test_report_refuses_two_different_results_for_one_checkpoint_and_task(tmp_path):
+    folder = write_task(tmp_path / "task")
+    before = hand_ndcg_at_10(folder)
+    evaluate(folder, tmp_path / "before")
+    shutil.copytree(tmp_path / "before", tmp_path / "copy")
+    edit_qrels(folder)
+    evaluate(folder, tmp_path / "after")
+    with pytest.raises(ValueError, match="Two different results") as err:
+        report.load_results([str(tmp_path / "before"), str(tmp_path / "after")])
+    files = [str(p) for p in (tmp_path / "before").rglob(f"{TASK}.json")] + [
+        str(p) for p in (tmp_path / "after").rglob(f"{TASK}.json")]
+    assert all(f in str(err.value) for f in files)
+    # the same result twice (a copied folder) is one column, not a conflict
+    table = report.load_results([str(tmp_path / "before"), str(tmp_path / "copy")])
+    assert len(table.models) == 1
+    assert table.scores[table.models[0]][TASK] == pytest.approx(100 * before, abs=1e-3)
+
+
+# ------------------------------------------------------------------ damaged files
+def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    evaluate(folder, out)
+    result = next(out.rglob(f"{TASK}.json"))
+    result.write_text(result.read_text()[:40])
+    broken = evaluate(folder, out)
+    assert broken.calls == [] and TASK not in broken.outcome.scores
+    message = broken.outcome.failures[TASK]
+    assert str(result) in message and "--overwrite" in message
+    with pytest.raises(ValueError, match="--overwrite") as err:
+        report.load_results([str(out)])
+    assert str(result) in str(err.value)
+    fixed = evaluate(folder, out, overwrite=True)
+    assert fixed.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
+
+
+def truncate_rows(folder: Path, shard: str) -> None:
+    path = folder / f"{shard}.npy"
+    path.write_bytes(path.read_bytes()[:-8])
+
+
+def empty_rows(folder: Path, shard: str) -> None:
+    (folder / f"{shard}.npy").write_bytes(b"")
+
+
+def delete_rows(folder: Path, shard: str) -> None:
+    (folder / f"{shard}.npy").unlink()
+
+
+def truncate_keys(folder: Path, shard: str) -> None:
+    path = folder / f"{shard}.keys.json"
+    path.write_text(path.read_text()[:30])
+
+
+def extra_key(folder: Path, shard: str) -> None:  # one key more than rows: every row after it would shift
+    path = folder / f"{shard}.keys.json"
+    path.write_text(json.dumps(["0" * 64, *json.loads(path.read_text())]))
+
+
+@pytest.mark.parametrize("damage", [truncate_rows, empty_rows, delete_rows, truncate_keys, extra_key],
+                         ids=lambda f: f.__name__)
+def test_a_damaged_cache_shard_is_discarded_named_and_rebuilt(tmp_path, caplog, damage):
+    first, second = ["alpha v=1,2", "beta v=3,1"], ["gamma v=0,5", "delta v=2,2"]
+    texts = first + second
+    expected = np.stack([vec(t) for t in texts]).astype(np.float32)
+    encoded: list[str] = []
+
+    def encode(batch):
+        encoded.extend(batch)
+        return np.stack([vec(t) for t in batch])
+
+    settings = {"role": "document"}
+    cache = EmbeddingCache(str(tmp_path))
+    cache.get_or_encode(first, encode, "model@rev", settings)  # shard 1
+    cache.get_or_encode(second, encode, "model@rev", settings)  # shard 2
+    folder = tmp_path / settings_key("model@rev", settings)
+    shards = {p.name[: -len(".keys.json")]: json.loads(p.read_text()) for p in folder.glob("*.keys.json")}
+    damaged = next(s for s, keys in shards.items() if text_hash(first[0]) in keys)
+    damage(folder, damaged)
+    encoded.clear()
+    with caplog.at_level(logging.WARNING, logger="diffusion_embedder.evaluation.cache"):
+        out = EmbeddingCache(str(tmp_path)).get_or_encode(texts, encode, "model@rev", settings)
+    np.testing.assert_array_equal(out, expected)
+    assert encoded == first  # only the damaged shard's texts were encoded again
+    assert damaged in caplog.text and "discarding" in caplog.text
+    encoded.clear()
+    again = EmbeddingCache(str(tmp_path)).get_or_encode(texts, encode, "model@rev", settings)
+    np.testing.assert_array_equal(again, expected)
+    assert encoded == []  # rebuilt once, no loop
+
+
+# ------------------------------------------------------------------ bad BEIR folders
+def good_folder(tmp_path: Path) -> Path:
+    return write_task(tmp_path / "task")
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "message"),
+    [
+        ("corpus.jsonl", "", r"corpus.jsonl: no records \(the file is empty\)"),
+        ("queries.jsonl", "\n", r"queries.jsonl: no records \(the file is empty\)"),
+        ("corpus.jsonl", '{"_id": "d1", "text": "a v=1,0,0"}\n{"_id": "d2", "text": null}\n',
+         r"corpus.jsonl:2: field 'text' is null"),
+        ("queries.jsonl", '{"_id": "q1", "text": null}\n', r"queries.jsonl:1: field 'text' is null"),
+        ("corpus.jsonl", '{"_id": "d1", "text": "a"}\n{"_id": "d2", "text": "b"}\n{"_id": "d1", "text": "c"}\n',
+         r"corpus.jsonl:3: duplicate _id 'd1' \(first on line 1\)"),
+        ("queries.jsonl", '{"_id": "q1", "text": "a"}\n\n{"_id": "q1", "text": "b"}\n',
+         r"queries.jsonl:3: duplicate _id 'q1' \(first on line 1\)"),
+        ("task.json", '{"name": "X",\n "instruction": }', r"task.json:2: not valid JSON"),
+        ("task.json", '["X"]', r"task.json: expected a JSON object"),
+        ("task.json", '{"nmae": "X"}', r"task.json: unknown key\(s\) \['nmae'\]"),
+        ("task.json", '{"name": 3}', r"task.json: 'name' must be a string, got int"),
+    ],
+    ids=["empty-corpus", "empty-queries", "null-doc", "null-query", "dup-doc", "dup-query", "task-json-syntax",
+         "task-json-list", "task-json-key", "task-json-type"],
+)
+def test_bad_beir_folders_are_errors_naming_file_and_line(tmp_path, file, content, message):
+    folder = good_folder(tmp_path)
+    (folder / file).write_text(content)
+    with pytest.raises(DataFormatError, match=message) as err:
+        load_local_task(str(folder))
+    assert str(folder / file) in str(err.value)
+
+
+def test_a_query_without_relevant_documents_is_a_warning_with_the_count(tmp_path, caplog):
+    folder = good_folder(tmp_path)
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td3\t0\n")
+    with caplog.at_level(logging.WARNING, logger="diffusion_embedder.evaluation.local"):
+        load_local_task(str(folder))
+    assert "2 of 3 queries" in caplog.text and "queries.jsonl" in caplog.text and "'q2'" in caplog.text
