@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -32,6 +33,8 @@ from transformers import (
     Qwen2Tokenizer,
 )
 from transformers.utils import cached_file
+
+from diffusion_embedder.dtypes import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -162,17 +165,69 @@ BACKBONES: dict[str, BackboneSpec] = {
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(BACKBONES)
 
 
+#: A tokenizer needs one of these file sets: a fast tokenizer, byte-level BPE (Qwen/Dream), or sentencepiece.
+TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
 class AttentionSelfTestError(RuntimeError):
     """The model's attention is not what was asked for (bidirectional vs causal)."""
 
 
+def find_file(name_or_path: str, filename: str, **hub_kwargs) -> str | None:
+    """Path of ``filename`` in a local folder or hub repo, or None when it isn't there."""
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, filename)
+        return path if os.path.isfile(path) else None
+    try:
+        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    except OSError:
+        return None
+
+
+def read_json_file(path: str) -> dict:
+    """A JSON object from ``path``; a broken or non-object file is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore or re-download the file.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}.")
+    return value
+
+
 def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
     """config.json as plain JSON: safe for remote-code checkpoints (Dream), local folder or hub name."""
-    path = os.path.join(name_or_path, "config.json") if os.path.isdir(name_or_path) else None
-    if path is None or not os.path.isfile(path):
-        path = cached_file(name_or_path, "config.json", **hub_kwargs)
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    path = find_file(name_or_path, "config.json", **hub_kwargs)
+    if path is None:
+        raise FileNotFoundError(f"No config.json in {name_or_path!r}: a checkpoint folder needs one.")
+    return read_json_file(path)
+
+
+def check_tokenizer_files(name_or_path: str, **hub_kwargs) -> None:
+    """Refuse a folder without tokenizer files (some tokenizer classes would load an empty vocabulary silently)."""
+    for names in TOKENIZER_FILE_SETS:
+        if all(find_file(name_or_path, name, **hub_kwargs) for name in names):
+            return
+    expected = " or ".join("+".join(names) for names in TOKENIZER_FILE_SETS)
+    raise FileNotFoundError(f"No tokenizer files in {name_or_path!r}: expected {expected}.")
+
+
+def check_safetensors(name_or_path: str, **hub_kwargs) -> None:
+    """Open every weights file's header: a truncated or corrupted file is an OSError naming it."""
+    index = find_file(name_or_path, "model.safetensors.index.json", **hub_kwargs)
+    names = ["model.safetensors"]
+    if index is not None:
+        names = sorted(set(read_json_file(index).get("weight_map", {}).values()))
+    for name in names:
+        path = find_file(name_or_path, name, **hub_kwargs)
+        if path is None:
+            raise FileNotFoundError(f"Weights file {name} is missing from {name_or_path!r}.")
+        try:
+            with safe_open(path, framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise OSError(f"{path} is truncated or corrupted ({e}); re-download or re-save it.") from None
 
 
 def get_spec(model_type: str) -> BackboneSpec:
@@ -204,6 +259,7 @@ def load_tokenizer(name_or_path: str, spec: BackboneSpec | None = None, **hub_kw
     if spec is None:
         raw = read_config_dict(name_or_path, **hub_kwargs)
         spec = get_spec(raw.get("model_type", "<missing>"))
+    check_tokenizer_files(name_or_path, **hub_kwargs)
     if spec.tokenizer_class is None:
         return AutoTokenizer.from_pretrained(name_or_path, **hub_kwargs)
     tokenizer = spec.tokenizer_class.from_pretrained(name_or_path, **hub_kwargs)
@@ -272,14 +328,16 @@ def load_backbone(
     """
     if kwargs.get("trust_remote_code"):
         raise ValueError("trust_remote_code is never used: every supported backbone runs on transformers' own code.")
+    dtype = resolve_dtype(torch_dtype)
     hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
     config, spec = load_config(name_or_path, **hub_kwargs)
+    check_safetensors(name_or_path, **hub_kwargs)
     config_overrides = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in hub_kwargs}
     for key, value in config_overrides.items():
         setattr(config, key, value)
     config.is_causal = not enable_bidirectional
     config.use_cache = False
-    load_kwargs = dict(kwargs, config=config, dtype=torch_dtype if torch_dtype is not None else torch.float32)
+    load_kwargs = dict(kwargs, config=config, dtype=dtype)
     if attn_implementation is not None:
         load_kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
-from transformers.utils import cached_file
 
 from diffusion_embedder import backbones
+from diffusion_embedder.backbones import find_file
 from diffusion_embedder.pooling import LatentAttentionPooling, check_pooling_mode, pool
 from diffusion_embedder.templates import (
     KNOWN_SETTINGS,
@@ -28,6 +28,7 @@ from diffusion_embedder.templates import (
     default_template,
     eos_suffix_for,
     parse_inputs,
+    placeholder_token,
     render,
 )
 
@@ -72,22 +73,8 @@ class EncoderConfig:
         return cls(**values)
 
 
-def find_file(name_or_path: str, filename: str, **hub_kwargs) -> str | None:
-    """Path of ``filename`` in a local folder or hub repo, or None when it isn't there."""
-    if os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, filename)
-        return path if os.path.isfile(path) else None
-    try:
-        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-    except OSError:
-        return None
-
-
 def _read_json(path: str | None) -> dict:
-    if path is None:
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return {} if path is None else backbones.read_json_file(path)
 
 
 @dataclass
@@ -190,9 +177,8 @@ class Encoder(nn.Module):
             attn_implementation=attn_implementation,
         )
         keep_own_adapter = peft_model_name_or_path is None and not merge_peft
-        model, tokenizer_source, names = _load_model(base_model_name_or_path, config, keep_own_adapter, backbone_kwargs)
+        model, tokenizer, names = _load_model(base_model_name_or_path, config, keep_own_adapter, backbone_kwargs)
         spec = backbones.get_spec(config.model_type)
-        tokenizer = backbones.load_tokenizer(tokenizer_source, spec, **hub_kwargs)
 
         if peft_model_name_or_path is not None:
             from peft import PeftModel
@@ -273,6 +259,7 @@ class Encoder(nn.Module):
             spans = self._token_ids([r[1] for r in rendered], special=False)
             over = []
             for i, ids, span in zip(pending, full, spans, strict=True):
+                ids = ids or [placeholder_token(self.tokenizer)]  # no tokens at all: documented stand-in
                 if len(ids) <= max_length:
                     result[i] = _Tokenized(ids, min(len(span), len(ids)))
                 elif not items[i].text:
@@ -365,7 +352,7 @@ class Encoder(nn.Module):
         are visible). A single string returns a 1-D vector.
         """
         single = isinstance(sentences, str)
-        items = parse_inputs([sentences] if single else list(sentences))
+        items = parse_inputs([sentences] if single else sentences)
         if not items:
             out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         else:
@@ -463,7 +450,10 @@ def _resolve_devices(device, encoder: Encoder) -> list:
         return [None]
     if isinstance(device, str | torch.device):
         return [device]
-    return list(device)
+    devices = list(device)
+    if not devices:
+        raise ValueError("device=[] names no device: give a device, a list of devices, or None (automatic).")
+    return devices
 
 
 def _load_model(
@@ -474,8 +464,8 @@ def _load_model(
     ``base`` may be a plain checkpoint, an LLM2Vec folder whose adapter sits beside a config naming its
     base (merged, as LLM2Vec does), or one of our encoder folders holding only an adapter (its base
     and earlier merges are recorded in ``config``; the adapter stays a trainable PEFT model when
-    ``keep_own_adapter``). Returns the model, the folder holding the tokenizer, and the names used
-    to look up LLM2Vec's default templates.
+    ``keep_own_adapter``). Returns the model, its tokenizer, and the names used
+    to look up LLM2Vec's default templates. The tokenizer loads first, so a missing one fails before the weights.
     """
     hub_kwargs = {k: backbone_kwargs[k] for k in HUB_KWARGS if k in backbone_kwargs}
     has_weights = any(find_file(base, f, **hub_kwargs) for f in ("model.safetensors", "model.safetensors.index.json"))
@@ -500,6 +490,8 @@ def _load_model(
     config.model_type = config.model_type or backbones.get_spec(
         backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
     ).model_type
+    tokenizer_from = base if find_file(base, "tokenizer_config.json", **hub_kwargs) else weights_from
+    tokenizer = backbones.load_tokenizer(tokenizer_from, backbones.get_spec(config.model_type), **hub_kwargs)
     model = backbones.load_backbone(weights_from, **backbone_kwargs)
 
     merges = list(dict.fromkeys(config.merged_adapters))
@@ -514,8 +506,7 @@ def _load_model(
         if keep_own:
             model = PeftModel.from_pretrained(model, base, **hub_kwargs)
     config.merged_adapters = merges
-    tokenizer_from = base if find_file(base, "tokenizer_config.json", **hub_kwargs) else weights_from
-    return model, tokenizer_from, names
+    return model, tokenizer, names
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch: int | None = None) -> list[list[int]]:
@@ -524,8 +515,8 @@ def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch
     By count, or, with ``max_tokens_per_batch``, by padded size (rows x longest row): long documents
     don't exhaust memory and short ones fill it. A single text longer than the budget gets its own batch.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []

@@ -9,7 +9,7 @@ same vectors here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 SEPARATOR = "!@#$%^&*()"
@@ -60,9 +60,21 @@ class TextInput:
     text: str
 
 
+def _check_unicode(value: str, index: int, name: str) -> str:
+    """Refuse lone surrogates (e.g. from a bad decode): a tokenizer can't encode them and fails far from the input."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"Input {index}: the {name} is not valid Unicode: lone surrogate {value[e.start]!r} at character {e.start}."
+        ) from None
+    return value
+
+
 def parse_input(item: object, index: int) -> TextInput:
     """Validate one ``encode`` input: a string (optionally with the separator) or an ``[instruction, text]`` pair."""
     if isinstance(item, str):
+        _check_unicode(item, index, "text")
         if SEPARATOR in item:
             prefix, _, text = item.partition(SEPARATOR)
             return TextInput(prefix, text.replace(SEPARATOR, ""))
@@ -76,15 +88,34 @@ def parse_input(item: object, index: int) -> TextInput:
         for part, name in ((instruction, "instruction"), (text, "text")):
             if not isinstance(part, str):
                 raise TypeError(f"Input {index}: the {name} must be a string, got {type(part).__name__}.")
+            _check_unicode(part, index, name)
         instruction = instruction.strip()
         return TextInput(f"{instruction} " if instruction else "", text)
     raise TypeError(f"Input {index} must be a string or an [instruction, text] pair, got {type(item).__name__}.")
 
 
-def parse_inputs(items: Sequence[object]) -> list[TextInput]:
+def parse_inputs(items: Iterable[object]) -> list[TextInput]:
+    """Validate a collection of inputs; anything else (None, a number, bytes) is a TypeError naming its type."""
     if isinstance(items, str):
         raise TypeError("Expected a list of inputs, got a single string; wrap it in a list.")
+    if isinstance(items, bytes | bytearray) or not isinstance(items, Iterable):
+        raise TypeError(
+            "Expected a string or a list of strings / [instruction, text] pairs, got "
+            f"{type(items).__name__}{' (decode bytes to str first)' if isinstance(items, bytes | bytearray) else ''}."
+        )
     return [parse_input(item, i) for i, item in enumerate(items)]
+
+
+def placeholder_token(tokenizer) -> int:
+    """The one token of a row that would otherwise have none (an empty text, no template, no BOS: Dream).
+
+    BOS where the tokenizer has one (what the other rows start with), else EOS, else the pad token:
+    a defined input, so the embedding is finite and independent of the batch.
+    """
+    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+        if token_id is not None:
+            return token_id
+    raise ValueError("The tokenizer has no BOS, EOS or pad token to stand for an empty text.")
 
 
 def render(item: TextInput, template: str | None, eos_suffix: str) -> tuple[str, str]:

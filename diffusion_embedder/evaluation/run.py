@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.tasks import resolve_task_names
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_progress_bar", dest="show_progress_bar", action="store_false")
     p.add_argument("--model_name", help="results name (default: diffusion_embedder/<checkpoint folder>)")
     p.add_argument("--revision", help="results revision (default: hash of weights and settings)")
-    p.add_argument("--torch_dtype", default=None, help="e.g. bfloat16")
+    p.add_argument("--torch_dtype", default=None, choices=TORCH_DTYPES, help="default: float32")
     p.add_argument("--device", default=None)
     return p
 
@@ -125,13 +126,11 @@ def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict
 
 
 def load_encoder(args: EvalArguments):
-    import torch
 
     from diffusion_embedder import Encoder
 
     if not args.base_model_name_or_path:
         raise ValueError("--base_model_name_or_path is required.")
-    dtype = getattr(torch, args.torch_dtype) if args.torch_dtype else None
     return Encoder.from_pretrained(
         args.base_model_name_or_path,
         peft_model_name_or_path=args.peft_model_name_or_path,
@@ -140,7 +139,7 @@ def load_encoder(args: EvalArguments):
         pooling_mode=args.pooling_mode,
         max_length=args.max_length,
         doc_max_length=args.doc_max_length,
-        torch_dtype=dtype,
+        torch_dtype=args.torch_dtype,
         device=args.device,
     )
 

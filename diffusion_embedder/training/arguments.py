@@ -23,12 +23,12 @@ from typing import Any
 from transformers import TrainingArguments
 
 from diffusion_embedder.data import DATASET_READERS
+from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.pooling import POOLING_MODES
 
 logger = logging.getLogger(__name__)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TORCH_DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 LOSS_CLASSES = ("HardNegativeNLLLoss", "RepllamaLoss")
 DATASET_NAMES = tuple(DATASET_READERS)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from diffusion_embedder.encoder import Encoder
 
 logger = logging.getLogger(__name__)
@@ -33,11 +31,7 @@ def prepare_encoder(model_args, custom, training_args) -> Encoder:
         max_length=model_args.max_seq_length,
         doc_max_length=model_args.doc_max_length,
         skip_instruction=model_args.skip_instruction,
-        torch_dtype=(
-            getattr(torch, model_args.torch_dtype)
-            if model_args.torch_dtype not in (None, "auto")
-            else model_args.torch_dtype
-        ),
+        torch_dtype=model_args.torch_dtype,
         attn_implementation=model_args.attn_implementation,
         prompt_template=model_args.prompt_template,
         device=training_args.device,

@@ -1,0 +1,217 @@
+"""Fault injection, encoder side: every text has a defined embedding, every bad input or file a clear error.
+
+Each case runs for every backbone family (Dream included), on the tiny checkpoints of ``conftest``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import DREAM_FIXTURE, FAMILIES, default_attention
+
+import diffusion_embedder.backbones as backbones
+from diffusion_embedder import Encoder
+from diffusion_embedder.dtypes import TORCH_DTYPES, resolve_dtype
+from diffusion_embedder.pooling import POOLING_MODES
+from diffusion_embedder.templates import placeholder_token
+
+#: Every backbone the empty-text guarantee covers (a new backbone is one more name here).
+BACKBONES = FAMILIES
+EMPTY_INPUTS = ["", " ", "\n\t ", ["Retrieve the theorem", ""], ["", ""], ["  ", "  "]]
+OTHER_INPUTS = ["A triangle has sides 3, 4 and 5; find its area.", ["Find the formula", "x"]]
+
+
+@pytest.fixture(scope="module")
+def encoders(family_checkpoint):
+    """One loaded encoder per backbone (mean pooling); other modes share its weights."""
+    made: dict[str, Encoder] = {}
+
+    def get(family: str) -> Encoder:
+        if family not in made:
+            made[family] = Encoder.from_pretrained(
+                str(family_checkpoint(family)), attn_implementation=default_attention(family), device="cpu"
+            )
+        return made[family]
+
+    return get
+
+
+def with_mode(encoder: Encoder, mode: str, skip_instruction: bool) -> Encoder:
+    config = replace(encoder.config, pooling_mode=mode, skip_instruction=skip_instruction, eos_suffix=None)
+    torch.manual_seed(0)
+    return Encoder(encoder.model, encoder.tokenizer, config)
+
+
+# ---------------------------------------------------------------- empty and whitespace texts
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_empty_text_is_finite_and_batch_independent(encoders, family):
+    """Alone, in a batch with longer texts and at every batch size: the same finite vector, every pooling mode."""
+    base = encoders(family)
+    inputs = EMPTY_INPUTS + OTHER_INPUTS
+    for mode in POOLING_MODES:
+        for skip_instruction in (True, False):
+            encoder = with_mode(base, mode, skip_instruction)
+            batched = encoder.encode(inputs, batch_size=len(inputs), show_progress_bar=False)
+            assert torch.isfinite(batched).all(), (family, mode)
+            assert batched.abs().sum(-1).min() > 0, (family, mode)  # never a silent zero vector
+            pairs = encoder.encode(inputs, batch_size=2, show_progress_bar=False)
+            for i, item in enumerate(EMPTY_INPUTS):
+                alone = encoder.encode([item], show_progress_bar=False)[0]
+                assert torch.allclose(alone, batched[i], atol=1e-5, rtol=0), (family, mode, skip_instruction, i)
+                assert torch.allclose(alone, pairs[i], atol=1e-5, rtol=0), (family, mode, skip_instruction, i)
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_empty_text_is_the_documented_one_token_row(encoders, family):
+    """A row with no tokens at all becomes [BOS], else [EOS]: its mean-pooled vector is that token's state."""
+    encoder = with_mode(encoders(family), "mean", True)
+    tokenizer = encoder.tokenizer
+    expected_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    assert placeholder_token(tokenizer) == expected_id
+    with torch.no_grad():
+        state = encoder.model(input_ids=torch.tensor([[expected_id]]), use_cache=False).last_hidden_state[0, 0]
+    assert torch.allclose(encoder.encode([""], show_progress_bar=False)[0], state, atol=1e-5, rtol=0)
+    assert encoder.tokenize([""])["attention_mask"].sum() == 1
+
+
+def test_dream_has_no_bos_so_its_empty_row_is_eos(encoders):
+    tokenizer = encoders("Dream").tokenizer
+    assert tokenizer.bos_token_id is None
+    assert placeholder_token(tokenizer) == tokenizer.eos_token_id
+
+
+# ---------------------------------------------------------------- bad arguments to encode
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_bad_encode_arguments_name_the_problem(encoders, family):
+    encoder = encoders(family)
+    for bad, kind in ((5, "int"), (None, "NoneType"), (b"bytes", "bytes"), (3.5, "float")):
+        with pytest.raises(TypeError, match=f"got {kind}"):
+            encoder.encode(bad, show_progress_bar=False)
+    with pytest.raises(TypeError, match=r"decode bytes to str"):
+        encoder.encode(b"text", show_progress_bar=False)
+    surrogate = r"Input 2: the text is not valid Unicode: lone surrogate '\\ud800' at character 4"
+    with pytest.raises(ValueError, match=surrogate):
+        encoder.encode(["fine", "also fine", "bad \ud800 text"], show_progress_bar=False)
+    with pytest.raises(ValueError, match=r"Input 1: the instruction is not valid Unicode.*character 0"):
+        encoder.encode(["fine", ["\udc00instr", "text"]], show_progress_bar=False)
+    for batch_size in (None, 0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=rf"batch_size must be an integer >= 1, got {batch_size!r}"):
+            encoder.encode(["a", "b"], batch_size=batch_size, show_progress_bar=False)
+    with pytest.raises(ValueError, match=r"device=\[\] names no device"):
+        encoder.encode(["a"], device=[], show_progress_bar=False)
+    # a tuple of texts and a generator are lists of inputs too
+    expected = encoder.encode(["a", "b"], show_progress_bar=False)
+    assert torch.equal(encoder.encode(("a", "b"), show_progress_bar=False), expected)
+    assert torch.equal(encoder.encode((t for t in ["a", "b"]), show_progress_bar=False), expected)
+
+
+# ---------------------------------------------------------------- torch_dtype
+
+
+def test_one_dtype_parser_lists_the_choices():
+    assert resolve_dtype(None) is torch.float32
+    assert resolve_dtype("bfloat16") is torch.bfloat16
+    assert resolve_dtype(torch.float16) is torch.float16
+    assert resolve_dtype("auto") == "auto"
+    for bad in ("float", "fp16", "bf16", torch.int64, 16, ""):
+        with pytest.raises(ValueError, match=r"Invalid torch_dtype .*choose one of auto, bfloat16, float16, float32"):
+            resolve_dtype(bad)
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_invalid_torch_dtype_fails_before_the_weights_load(family_checkpoint, family, monkeypatch):
+    monkeypatch.setattr(backbones.AutoModel, "from_pretrained", _no_weights)
+    with pytest.raises(ValueError, match=r"Invalid torch_dtype 'fp16'; choose one of auto, bfloat16"):
+        Encoder.from_pretrained(str(family_checkpoint(family)), torch_dtype="fp16")
+
+
+def test_torch_dtype_names_reach_the_weights(family_checkpoint):
+    encoder = Encoder.from_pretrained(str(DREAM_FIXTURE), torch_dtype="bfloat16", device="cpu")
+    assert encoder.model.dtype == torch.bfloat16
+
+
+def test_eval_and_training_use_the_same_dtype_names(capsys):
+    from diffusion_embedder.evaluation.run import build_parser
+    from diffusion_embedder.training.arguments import CHOICES
+
+    assert CHOICES["torch_dtype"] == (None, *TORCH_DTYPES)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--base_model_name_or_path", "m", "--torch_dtype", "fp16"])
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+    assert build_parser().parse_args(["--torch_dtype", "bfloat16"]).torch_dtype == "bfloat16"
+
+
+# ---------------------------------------------------------------- broken checkpoint files
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("the weights were loaded although the checkpoint is unusable")
+
+
+@pytest.fixture
+def broken_copy(family_checkpoint, tmp_path):
+    def copy(family: str):
+        folder = tmp_path / family
+        shutil.copytree(family_checkpoint(family), folder)
+        return folder
+
+    return copy
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_corrupted_safetensors_names_the_file(broken_copy, family, damage, monkeypatch):
+    folder = broken_copy(family)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[: len(data) - 100], "empty": b"", "garbage": b"\x00" * 4096}[damage])
+    monkeypatch.setattr(backbones.AutoModel, "from_pretrained", _no_weights)
+    with pytest.raises(OSError, match=re.escape(f"{weights} is truncated or corrupted")):
+        Encoder.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_missing_tokenizer_files_fail_before_the_weights_load(broken_copy, family, monkeypatch):
+    folder = broken_copy(family)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        (folder / name).unlink(missing_ok=True)
+    monkeypatch.setattr(backbones, "load_backbone", _no_weights)
+    expected = f"No tokenizer files in '{folder}': expected tokenizer.json or vocab.json+merges.txt"
+    with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+        Encoder.from_pretrained(str(folder))
+
+
+#: config.json is required; llm2vec_config.json and encoder_config.json are optional, so only broken ones fail.
+CONFIG_DAMAGE = [("config.json", "missing")] + [
+    (name, damage)
+    for name in ("config.json", "llm2vec_config.json", "encoder_config.json")
+    for damage in ("not json", "a list")
+]
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+@pytest.mark.parametrize("name,damage", CONFIG_DAMAGE)
+def test_broken_config_files_name_the_file(broken_copy, family, name, damage, monkeypatch):
+    folder = broken_copy(family)
+    path = folder / name
+    if damage == "missing":
+        path.unlink()
+        expected = f"No config.json in '{folder}'"
+    elif damage == "not json":
+        path.write_text('{"pooling_mode": "mean",')
+        expected = f"{path} is not valid JSON"
+    else:
+        path.write_text(json.dumps(["mean"]))
+        expected = f"{path} must hold a JSON object, got list"
+    monkeypatch.setattr(backbones, "load_backbone", _no_weights)
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(expected)):
+        Encoder.from_pretrained(str(folder))
