@@ -56,6 +56,8 @@ class EncoderConfig:
     prompt_template: str | None = None
     #: Appended for ``eos_token``/``last_token`` pooling (LLM2Vec's EOS strings); None derives it.
     eos_suffix: str | None = None
+    #: ``mask_token`` pooling: how many mask tokens are appended after the text and averaged.
+    mask_readout_tokens: int = 1
     latent_num_latents: int = 512
     latent_num_heads: int = 8
     #: Adapters merged into the base before this checkpoint's own adapter (e.g. LLM2Vec's MNTP).
@@ -109,6 +111,7 @@ class Encoder(nn.Module):
             setattr(config, key, value)
         self.config = config
         check_pooling_mode(config.pooling_mode)
+        self._mask_readout_ids()  # refuse mask_token pooling on a backbone without a mask token, now
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
@@ -135,6 +138,7 @@ class Encoder(nn.Module):
         attn_implementation: str | None = None,
         device: str | torch.device | None = None,
         prompt_template: str | None = None,
+        mask_readout_tokens: int | None = None,
         **kwargs,
     ) -> Encoder:
         """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder.
@@ -164,6 +168,7 @@ class Encoder(nn.Module):
             "doc_max_length": doc_max_length,
             "skip_instruction": skip_instruction,
             "prompt_template": prompt_template,
+            "mask_readout_tokens": mask_readout_tokens,
         }
         for key, value in explicit.items():
             if value is not None:
@@ -214,6 +219,21 @@ class Encoder(nn.Module):
     def embedding_dim(self) -> int:
         return self.model.config.hidden_size
 
+    def _mask_readout_ids(self) -> list[int]:
+        """The K mask-token ids appended for ``mask_token`` pooling (DiffRetriever's readout); [] otherwise."""
+        if self.config.pooling_mode != "mask_token":
+            return []
+        k = self.config.mask_readout_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"mask_readout_tokens must be a positive integer, got {k!r}.")
+        mask_id = getattr(self.model.config, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError(
+                f"pooling_mode='mask_token' needs a backbone with a mask token (Dream, LLaDA); "
+                f"{self.config.model_type or type(self.model).__name__!r} has no mask_token_id in its config."
+            )
+        return [int(mask_id)] * k
+
     def _eos_suffix(self) -> str:
         if self.config.pooling_mode not in ("eos_token", "last_token"):
             return ""
@@ -250,7 +270,8 @@ class Encoder(nn.Module):
         """
         if doc_max_length is not None:
             items = self._cut_texts(items, [doc_max_length] * len(items))
-        template, eos, max_length = self.config.prompt_template, self._eos_suffix(), self.config.max_length
+        template, eos, readout = self.config.prompt_template, self._eos_suffix(), self._mask_readout_ids()
+        max_length = self.config.max_length - len(readout)  # the appended mask tokens always fit
         result: list[_Tokenized] = [None] * len(items)  # type: ignore[list-item]
         pending, truncated = list(range(len(items))), set()
         while pending:
@@ -261,11 +282,11 @@ class Encoder(nn.Module):
             for i, ids, span in zip(pending, full, spans, strict=True):
                 ids = ids or [placeholder_token(self.tokenizer)]  # no tokens at all: documented stand-in
                 if len(ids) <= max_length:
-                    result[i] = _Tokenized(ids, min(len(span), len(ids)))
+                    result[i] = _Tokenized(ids + readout, len(readout) or min(len(span), len(ids)))
                 elif not items[i].text:
                     raise ValueError(
-                        f"Input {i}: the instruction and template alone take {len(ids)} tokens, more than "
-                        f"max_length={max_length}; shorten the instruction or raise max_length."
+                        f"Input {i}: the instruction and template alone take {len(ids) + len(readout)} tokens, "
+                        f"more than max_length={self.config.max_length}; shorten the instruction or raise max_length."
                     )
                 else:
                     over.append((i, len(ids) - max_length))
@@ -330,7 +351,9 @@ class Encoder(nn.Module):
             pool_mask = torch.where(has_span, embed_mask, attention_mask)
         if self.latent is not None:
             hidden = hidden.to(next(self.latent.parameters()).dtype)
-        return pool(hidden, attention_mask, pool_mask, self.config.pooling_mode, self.latent)
+        return pool(
+            hidden, attention_mask, pool_mask, self.config.pooling_mode, self.latent, self.config.mask_readout_tokens
+        )
 
     # ------------------------------------------------------------------ encode
     def encode(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-POOLING_MODES = ("mean", "weighted_mean", "eos_token", "last_token", "bos_token", "latent_attention")
+POOLING_MODES = ("mean", "weighted_mean", "eos_token", "last_token", "bos_token", "latent_attention", "mask_token")
 
 
 def check_pooling_mode(mode: str) -> str:
@@ -34,6 +34,12 @@ def last_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tens
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (positions * attention_mask).argmax(-1)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def last_tokens_mask(attention_mask: torch.Tensor, k: int) -> torch.Tensor:
+    """The last ``k`` real tokens of each row, wherever the padding sits."""
+    from_end = attention_mask.flip(-1).cumsum(-1).flip(-1)
+    return (attention_mask.bool() & (from_end <= k)).to(attention_mask.dtype)
 
 
 def first_token(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -74,9 +80,15 @@ def pool(
     pool_mask: torch.Tensor,
     mode: str,
     latent: LatentAttentionPooling | None = None,
+    readout_tokens: int = 1,
 ) -> torch.Tensor:
-    """Pool ``hidden`` (B, L, d). ``pool_mask`` marks the tokens that count (the text span, or all tokens)."""
+    """Pool ``hidden`` (B, L, d). ``pool_mask`` marks the tokens that count (the text span, or all tokens).
+
+    ``mask_token`` averages the last ``readout_tokens`` positions: the mask tokens appended after the text.
+    """
     check_pooling_mode(mode)
+    if mode == "mask_token":
+        return masked_mean(hidden, last_tokens_mask(attention_mask, readout_tokens))
     if mode == "mean":
         return masked_mean(hidden, pool_mask)
     if mode == "weighted_mean":

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
+import pytest
 import torch
-from conftest import LLADA_FIXTURE
+from conftest import DREAM_FIXTURE, LLADA_FIXTURE, LLAMA_FIXTURE
 from peft import LoraConfig, get_peft_model
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.training.arguments import LORA_TARGETS
 
+ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
     ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
     "Two pointers sweep the array from both ends.",
@@ -42,3 +46,82 @@ def test_llada_lora_save_and_reload_records_the_base(tmp_path):
     assert merged.config.model_type == "llada" and merged.model.config.mask_token_id == 956
     assert merged.tokenizer.mask_token_id == 956
     assert torch.allclose(merged.encode(TEXTS, show_progress_bar=False), expected, atol=1e-5)
+
+
+def mask_encoder(path, **kwargs) -> Encoder:
+    return Encoder.from_pretrained(
+        str(path), pooling_mode="mask_token", torch_dtype=torch.float32, device="cpu", **kwargs
+    )
+
+
+@pytest.mark.parametrize("fixture", [LLADA_FIXTURE, DREAM_FIXTURE], ids=["llada", "Dream"])
+def test_mask_readout_is_the_mean_of_k_appended_masks(fixture):
+    """Inputs are the templated text then K mask tokens; the vector is the mean of those K raw states."""
+    k = 3
+    encoder = mask_encoder(fixture, mask_readout_tokens=k, prompt_template="<x>{text}</x>")
+    mask_id = encoder.model.config.mask_token_id
+    batched = encoder.encode(TEXTS, batch_size=len(TEXTS), show_progress_bar=False)
+    for i, text in enumerate(TEXTS):
+        instruction, body = ("", text) if isinstance(text, str) else (text[0].strip() + " ", text[1])
+        expected_text = encoder.tokenizer(f"<x>{instruction}{body}</x>")["input_ids"]
+        ids = encoder.tokenize([text])["input_ids"][0].tolist()
+        assert ids == expected_text + [mask_id] * k
+        with torch.no_grad():
+            hidden = encoder.model(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0]
+        alone = encoder.encode([text], show_progress_bar=False)[0]
+        assert torch.allclose(alone, hidden[-k:].mean(0), atol=1e-5, rtol=0)
+        assert not torch.allclose(alone, hidden[-k - 1 :].mean(0), atol=1e-3)
+        assert torch.allclose(batched[i], alone, atol=1e-5, rtol=0)
+
+
+def test_mask_readout_fits_max_length_and_round_trips(tmp_path):
+    encoder = mask_encoder(LLADA_FIXTURE, mask_readout_tokens=2, max_length=12)
+    ids = encoder.tokenize(["a long text " * 20])["input_ids"][0].tolist()
+    assert len(ids) == 12 and ids[-2:] == [956, 956] and ids[-3] != 956
+    encoder.config.max_length = 64
+    expected = encoder.encode(TEXTS, show_progress_bar=False)
+    encoder.save(str(tmp_path / "enc"))
+    saved = json.loads((tmp_path / "enc" / "encoder_config.json").read_text())
+    assert (saved["pooling_mode"], saved["mask_readout_tokens"]) == ("mask_token", 2)
+    reloaded = Encoder.from_pretrained(str(tmp_path / "enc"), device="cpu")
+    assert reloaded.config.mask_readout_tokens == 2
+    assert torch.equal(reloaded.encode(TEXTS, show_progress_bar=False), expected)
+
+
+def test_mask_readout_is_refused_without_a_mask_token():
+    with pytest.raises(ValueError, match="pooling_mode='mask_token' needs a backbone with a mask token"):
+        mask_encoder(LLAMA_FIXTURE)
+    with pytest.raises(ValueError, match="mask_readout_tokens must be a positive integer"):
+        mask_encoder(LLADA_FIXTURE, mask_readout_tokens=0)
+
+
+def test_eval_flags_reach_the_encoder():
+    from diffusion_embedder.evaluation.run import load_encoder, parse_args
+
+    args = parse_args(["--base_model_name_or_path", str(LLADA_FIXTURE), "--pooling_mode", "mask_token",
+                       "--mask_readout_tokens", "2", "--device", "cpu"])
+    encoder = load_encoder(args)
+    assert (encoder.config.pooling_mode, encoder.config.mask_readout_tokens) == ("mask_token", 2)
+    assert encoder.tokenize(["x"])["input_ids"][0, -2:].tolist() == [956, 956]
+
+
+@pytest.mark.parametrize("fixture", [DREAM_FIXTURE, LLADA_FIXTURE], ids=["Dream", "llada"])
+def test_tiny_supervised_run_with_mask_readout(tmp_path, monkeypatch, fixture):
+    """train_configs/tiny/mask_readout.json through run.train: the readout setting is trained and saved."""
+    from diffusion_embedder.training.arguments import load_config
+    from diffusion_embedder.training.run import train
+
+    monkeypatch.chdir(ROOT)
+    overrides = ["--output_dir", str(tmp_path), "--report_to", "none", "--model_name_or_path", str(fixture)]
+    run_dir = Path(train(load_config(ROOT / "train_configs" / "tiny" / "mask_readout.json", overrides)))
+    state = json.loads((run_dir / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3 and all(math.isfinite(e["loss"]) for e in state["log_history"] if "loss" in e)
+    trained = Encoder.from_pretrained(str(run_dir), device="cpu")
+    assert (trained.config.pooling_mode, trained.config.mask_readout_tokens) == ("mask_token", 2)
+    assert trained.config.model_type == json.loads((fixture / "config.json").read_text())["model_type"]
+    mask_id = trained.model.config.mask_token_id
+    assert trained.tokenize(["a text"])["input_ids"][0, -2:].tolist() == [mask_id, mask_id]
+    base = mask_encoder(fixture, mask_readout_tokens=2, max_length=48)
+    texts = ["The red apple.", ["Retrieve the fruit", "An apple is red."]]
+    after = trained.encode(texts, show_progress_bar=False)
+    assert torch.isfinite(after).all() and not torch.allclose(after, base.encode(texts, show_progress_bar=False))

@@ -42,6 +42,7 @@ class EvalArguments:
     batch_size: int = 32
     enable_bidirectional: bool | None = None
     pooling_mode: str | None = None
+    mask_readout_tokens: int | None = None
     max_length: int | None = None
     doc_max_length: int | None = None
     max_length_cap: int = 32768
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--enable_bidirectional", type=_str2bool, default=None, help="default: the checkpoint's setting")
     p.add_argument("--pooling_mode", default=None)
+    p.add_argument("--mask_readout_tokens", type=int, default=None, help="mask_token pooling: mask tokens appended")
     p.add_argument("--max_length", type=int, default=None)
     p.add_argument("--doc_max_length", type=int, default=None)
     p.add_argument("--max_length_cap", type=int, default=32768, help="upper bound for LongEmbed length splits")
@@ -137,6 +139,7 @@ def load_encoder(args: EvalArguments):
         merge_peft=args.peft_model_name_or_path is not None,
         enable_bidirectional=args.enable_bidirectional,
         pooling_mode=args.pooling_mode,
+        mask_readout_tokens=args.mask_readout_tokens,
         max_length=args.max_length,
         doc_max_length=args.doc_max_length,
         torch_dtype=args.torch_dtype,

@@ -53,6 +53,9 @@ class ModelArguments:
     torch_dtype: str | None = field(default=None, metadata={"help": f"One of {TORCH_DTYPES}; None = float32."})
     attn_implementation: str = field(default="sdpa", metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}."})
     pooling_mode: str = field(default="mean", metadata={"help": f"One of {POOLING_MODES}."})
+    mask_readout_tokens: int = field(
+        default=1, metadata={"help": "mask_token pooling: mask tokens appended after the text and averaged."}
+    )
     prompt_template: str | None = field(
         default=None, metadata={"help": "Chat wrapper with a {text} slot; None = the encoder's default."}
     )

@@ -28,6 +28,7 @@ def prepare_encoder(model_args, custom, training_args) -> Encoder:
         merge_peft=not continue_adapter,
         enable_bidirectional=model_args.bidirectional,
         pooling_mode=model_args.pooling_mode,
+        mask_readout_tokens=model_args.mask_readout_tokens,
         max_length=model_args.max_seq_length,
         doc_max_length=model_args.doc_max_length,
         skip_instruction=model_args.skip_instruction,
