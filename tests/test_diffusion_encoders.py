@@ -125,3 +125,21 @@ def test_tiny_supervised_run_with_mask_readout(tmp_path, monkeypatch, fixture):
     texts = ["The red apple.", ["Retrieve the fruit", "An apple is red."]]
     after = trained.encode(texts, show_progress_bar=False)
     assert torch.isfinite(after).all() and not torch.allclose(after, base.encode(texts, show_progress_bar=False))
+
+
+def test_llada_and_mask_readout_configs_keep_dreams_hyperparameters():
+    """LLaDA_{if,long,theorem} are Dream's configs on another base; the mask-readout variant changes only pooling."""
+    from diffusion_embedder.training.arguments import load_config
+
+    def values(name):
+        cfg = load_config(ROOT / "train_configs" / "supervised" / f"{name}.json", ["--bf16", "false"])
+        return {k: v for k, v in cfg.values.items() if k not in ("model_name_or_path", "output_dir")}, cfg
+
+    for task in ("if", "long", "theorem"):
+        (llada, cfg), (dream, _) = values(f"LLaDA_{task}"), values(f"Dream_{task}")
+        assert llada == dream and cfg.model.model_name_or_path == "GSAI-ML/LLaDA-8B-Instruct"
+    (mask, cfg), (dream, _) = values("Dream_theorem_mask_token"), values("Dream_theorem")
+    assert (cfg.model.pooling_mode, cfg.model.mask_readout_tokens) == ("mask_token", 1)
+    assert {k: v for k, v in mask.items() if k not in ("pooling_mode", "mask_readout_tokens")} == {
+        k: v for k, v in dream.items() if k != "pooling_mode"
+    }
