@@ -1,0 +1,248 @@
+"""Padding-free batches: texts concatenated into rows, positions restarting at each text, attention kept inside it.
+
+transformers only detects packed sequences (from ``position_ids``) on its causal path; with
+``is_causal=False`` packed texts silently attend to each other. So the block-diagonal mask is built
+here, in the form each attention implementation wants, and passed 4D (transformers then uses it as
+is): boolean for ``sdpa``, additive float for ``eager`` (it adds the mask to the scores, so a boolean
+mask would be wrong there), a ``BlockMask`` for ``flex_attention``. A row holding one text needs no
+mask. A dense mask costs rows x width^2, which is why rows are bounded by a pack length.
+
+Pooling reads each text's own span: the hidden states are gathered back into the left-padded layout
+of the padded path, so every pooling mode runs the same code on the same values.
+
+Packed features are a plain dict, so collators (contrastive, pretraining) build them with ``pack``
+and the encoder's forward recognises them by their ``unpack_index``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The key that marks a feature dict as packed.
+PACKED_KEY = "unpack_index"
+#: Row length (tokens) of packed encoding per device type when ``max_tokens_per_batch`` is not given:
+#: bench/results/encode.md (CPU). GPU rows are longer so one forward fills the device (see README).
+DEFAULT_PACK_LENGTH = {"cpu": 1024, "cuda": 8192}
+PACKING_CHOICES = ("auto", True, False)
+
+
+def is_packed(features: dict) -> bool:
+    return PACKED_KEY in features
+
+
+def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into rows of at most ``capacity`` tokens (first-fit decreasing).
+
+    A text longer than ``capacity`` gets a row of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max(capacity - lengths[i], 0))
+    return rows
+
+
+def sequential_packs(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices, longest first, cut into consecutive groups of at most ``capacity`` tokens: one row each.
+
+    Neighbours in length order share a row, so no row is padded at all.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    packs: list[list[int]] = []
+    used = 0
+    for i in order:
+        if packs and used + lengths[i] <= capacity:
+            packs[-1].append(i)
+            used += lengths[i]
+        else:
+            packs.append([i])
+            used = lengths[i]
+    return packs
+
+
+def pack(sequences: Sequence[tuple[Sequence[int], int]], capacity: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Pack ``(input_ids, span)`` pairs (span: how many trailing tokens are pooled) into rows.
+
+    Returns ``input_ids``, ``position_ids`` and ``segment_ids`` (R, W) for the model (padding after
+    the last text of a row gets a segment of its own per token), plus, per text in input order,
+    ``unpack_index`` (B, T) into the flattened rows and the padded path's ``attention_mask`` and
+    ``embed_mask`` (B, T), left-aligned exactly as ``Encoder.tokenize`` lays them out.
+    """
+    lengths = [len(ids) for ids, _ in sequences]
+    rows = pack_rows(lengths, capacity)
+    width = max(max(sum(lengths[i] for i in row) for row in rows), 1)
+    longest = max(max(lengths), 1)
+    n_rows, n_texts = len(rows), len(sequences)
+    input_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, width), dtype=torch.long)
+    segment_ids = (-1 - torch.arange(width)).repeat(n_rows, 1)
+    unpack_index = torch.zeros((n_texts, longest), dtype=torch.long)
+    attention_mask = torch.zeros((n_texts, longest), dtype=torch.long)
+    embed_mask = torch.zeros((n_texts, longest), dtype=torch.long)
+    ranges = torch.arange(max(longest, width))
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            ids, span = sequences[i]
+            n = lengths[i]
+            if not n:
+                continue
+            input_ids[r, start : start + n] = torch.as_tensor(ids, dtype=torch.long)
+            position_ids[r, start : start + n] = ranges[:n]
+            segment_ids[r, start : start + n] = i
+            unpack_index[i, longest - n :] = r * width + start + ranges[:n]
+            attention_mask[i, longest - n :] = 1
+            if span:
+                embed_mask[i, longest - span :] = 1
+            start += n
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+        PACKED_KEY: unpack_index,
+        "attention_mask": attention_mask,
+        "embed_mask": embed_mask,
+    }
+
+
+def unpack_sequences(features: dict[str, torch.Tensor]) -> list[tuple[list[int], int]]:
+    """The ``(input_ids, span)`` pairs a packed feature dict was built from, in input order."""
+    flat = features["input_ids"].reshape(-1)
+    out = []
+    for index, mask, span in zip(
+        features[PACKED_KEY], features["attention_mask"].bool(), features["embed_mask"].sum(-1), strict=True
+    ):
+        out.append((flat[index[mask]].tolist(), int(span)))
+    return out
+
+
+def split_packed(features: dict[str, torch.Tensor], chunk_size: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive chunks of ``chunk_size`` texts, each packed again into rows as wide as the original's."""
+    sequences = unpack_sequences(features)
+    width = features["input_ids"].shape[1]
+    pad = 0  # padding attends only to itself and is never pooled: its id changes nothing
+    device = features["input_ids"].device
+    chunks = []
+    for start in range(0, len(sequences), chunk_size):
+        chunk = pack(sequences[start : start + chunk_size], width, pad)
+        chunks.append({k: v.to(device) for k, v in chunk.items()})
+    return chunks
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def _allowed(segment_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(R, 1, W, W) True where a query may attend to a key: same segment (and not ahead, when causal)."""
+    allowed = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if causal:
+        width = segment_ids.shape[1]
+        allowed &= torch.ones(width, width, dtype=torch.bool, device=segment_ids.device).tril()
+    return allowed[:, None]
+
+
+def boolean_mask(segment_ids: torch.Tensor, causal: bool, dtype: torch.dtype):
+    return _allowed(segment_ids, causal)
+
+
+def additive_mask(segment_ids: torch.Tensor, causal: bool, dtype: torch.dtype):
+    allowed = _allowed(segment_ids, causal)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+def flex_block_mask(segment_ids: torch.Tensor, causal: bool, dtype: torch.dtype):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        same = segment_ids[batch, q_idx] == segment_ids[batch, kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    rows, width = segment_ids.shape
+    return create_block_mask(mask_mod, rows, None, width, width, device=segment_ids.device)
+
+
+#: Mask builder per attention implementation; implementations not listed are not packed.
+MASK_BUILDERS: dict[str, Callable] = {
+    "sdpa": boolean_mask,
+    "eager": additive_mask,
+    "flex_attention": flex_block_mask,
+}
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def packing_problem(model: torch.nn.Module, longest: int) -> str | None:
+    """Why this model can't run packed batches, or None when it can."""
+    impl = attention_implementation(model)
+    if impl not in MASK_BUILDERS:
+        return f"attn_implementation={impl!r} has no packed path (supported: {', '.join(MASK_BUILDERS)})"
+    window = getattr(model.config, "sliding_window", None)
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    uses_window = "sliding_attention" in layer_types or (
+        getattr(model.config, "use_sliding_window", False) and window is not None
+    )
+    if uses_window and window is not None and longest > window:
+        return f"sliding-window attention (window {window}) with a text of {longest} tokens"
+    return None
+
+
+def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run the backbone on packed rows; return hidden states in the padded layout (B, T, d)."""
+    segment_ids = features["segment_ids"]
+    impl = attention_implementation(model)
+    causal = bool(getattr(model.config, "is_causal", True))
+    if bool((segment_ids == segment_ids[:, :1]).all()) and bool((segment_ids >= 0).all()):
+        mask = None  # one text per row, no padding: plain attention, bidirectional or causal as configured
+    else:
+        dtype = model.get_input_embeddings().weight.dtype
+        mask = MASK_BUILDERS[impl](segment_ids, causal, dtype)
+    hidden = model(
+        input_ids=features["input_ids"],
+        attention_mask=mask,
+        position_ids=features["position_ids"],
+        use_cache=False,
+    ).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
+
+
+#: What ``packing="auto"`` does per (device type, attention implementation): bench/results/encode.md (CPU).
+AUTO_PACKING: dict[tuple[str, str], bool] = {
+    ("cpu", "sdpa"): True,
+    ("cpu", "eager"): True,
+    ("cpu", "flex_attention"): False,
+    ("cuda", "sdpa"): True,
+    ("cuda", "eager"): True,
+    ("cuda", "flex_attention"): True,
+}
+
+
+def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
+    """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
+    if choice not in PACKING_CHOICES or not isinstance(choice, str | bool):
+        raise ValueError(f"packing must be one of {PACKING_CHOICES}, got {choice!r}.")
+    if choice is False:
+        return False
+    problem = packing_problem(model, longest)
+    if choice is True:
+        if problem:
+            raise ValueError(f"packing=True is not possible: {problem}. Use packing=False or 'auto'.")
+        return True
+    if problem:
+        logger.debug("Not packing: %s.", problem)
+        return False
+    return AUTO_PACKING.get((device_type, attention_implementation(model)), False)
