@@ -402,6 +402,7 @@ class Encoder(nn.Module):
             devices = _resolve_devices(device, self)
             device_type = torch.device(devices[0] or self.device).type
             collate = self._collate
+            check_batch_size(batch_size)
             if packing_mod.use_packing(packing, self.model, device_type, max(lengths)):
                 pack_length = max_tokens_per_batch or packing_mod.DEFAULT_PACK_LENGTH.get(device_type, 4096)
                 batches = packing_mod.sequential_packs(lengths, pack_length)
@@ -557,14 +558,18 @@ def _load_model(
     return model, tokenizer, names
 
 
+def check_batch_size(batch_size) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+
+
 def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch: int | None = None) -> list[list[int]]:
     """Indices grouped into batches, longest first.
 
     By count, or, with ``max_tokens_per_batch``, by padded size (rows x longest row): long documents
     don't exhaust memory and short ones fill it. A single text longer than the budget gets its own batch.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    check_batch_size(batch_size)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     batches: list[list[int]] = []
     current: list[int] = []

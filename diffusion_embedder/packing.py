@@ -60,6 +60,8 @@ def sequential_packs(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
     Neighbours in length order share a row, so no row is padded at all.
     """
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"max_tokens_per_batch (the pack length) must be an integer >= 1, got {capacity!r}.")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     packs: list[list[int]] = []
     used = 0

@@ -109,6 +109,8 @@ def test_packing_choice_is_validated_and_auto_follows_the_table():
     encoder = load(LLAMA_FIXTURE, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="packing must be one of"):
         encoder.encode(TEXTS, packing="yes", show_progress_bar=False)
+    with pytest.raises(ValueError, match="pack length.*got 0"):
+        encoder.encode(TEXTS, packing=True, max_tokens_per_batch=0, show_progress_bar=False)
     model = encoder.model
     assert packing_mod.use_packing("auto", model, "cpu", 10) is packing_mod.AUTO_PACKING[("cpu", "sdpa")]
     model.config._attn_implementation = "flash_attention_2"
