@@ -37,7 +37,9 @@ def main() -> None:
     stages = ["definitions", "problems", "check-problems", "check-solutions"]
     stages += ["negatives"] if args.generated_negatives else []
     for stage in stages:
-        reasonaug([stage, *common])
+        status = reasonaug([stage, *common])
+        if status:  # waiting for Batch-API outputs, or a usage error: later stages need this one's answers
+            raise SystemExit(status)
     out = args.workdir / "ReasonAug.jsonl"
     extra = ["--with-generated"] if args.generated_negatives else []
     reasonaug(["triplets", *common, "--out", str(out), "--heldout-fraction", str(args.heldout_fraction), *extra])

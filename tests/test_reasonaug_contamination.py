@@ -68,7 +68,7 @@ def test_benchmark_query_files(tmp_path):
     for name in ("q.jsonl", "q.json", "q.txt"):
         assert load_benchmark_queries(tmp_path / name) == ["a", "b"]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing string field 'query'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: missing field 'query'"):
         load_benchmark_queries(tmp_path / "bad.jsonl")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_embedder.reasonaug.concepts import load_concepts
+from diffusion_embedder.reasonaug.concepts import concept_key, load_concepts
 from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_batch_requests
 from diffusion_embedder.reasonaug.parse import (
     is_yes,
@@ -193,4 +193,4 @@ def test_concepts_file_errors_name_line(tmp_path):
         load_concepts(p)
     p.write_text(json.dumps({"domain": "chemistry law", "instance": "Le Chatelier", "question_type": "chemistry"}))
     (c,) = load_concepts(p)
-    assert c.question_type == "chemistry" and c.references == [] and c.custom_id == "request-1"
+    assert c.question_type == "chemistry" and c.references == [] and c.custom_id == concept_key(c.domain, c.instance)

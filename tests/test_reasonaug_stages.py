@@ -254,5 +254,5 @@ def test_cli_llm_stage_uses_the_client_and_batch_mode(uninterrupted, concepts, t
     assert len(fake.bodies) == 12
     assert json.loads(capsys.readouterr().out)["kept"] == 12
     assert (tmp_path / "live" / "definitions.jsonl").read_bytes() == cfg_a.parsed("definitions").read_bytes()
-    with pytest.raises(FileNotFoundError, match="Batch API"):
-        cli.main(["definitions", "--workdir", str(tmp_path / "batch"), "--batch", *base])
+    assert cli.main(["definitions", "--workdir", str(tmp_path / "batch"), "--batch", *base]) == cli.EXIT_AWAITING_BATCH
+    assert "Batch API" in capsys.readouterr().err

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 
+from diffusion_embedder.data.jsonl import Field
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.contamination import (
+    check_threshold,
     load_benchmark_queries,
     load_bright_queries,
     remove_contaminated,
@@ -17,6 +20,7 @@ from diffusion_embedder.reasonaug.llm import ChatClient, ClientConfig, read_json
 from diffusion_embedder.reasonaug.prompts import render_prompt_card
 from diffusion_embedder.reasonaug.rebuild import dataset_stats, load_generation, stats_markdown, update_card
 from diffusion_embedder.reasonaug.stages import (
+    AwaitingBatchOutputs,
     StageConfig,
     load_concept_data,
     run_check_problems,
@@ -34,6 +38,10 @@ LLM_STAGES = {
     "check-solutions": "4. verify each solution (coding: verified code replaces it) -> verified_pairs.jsonl",
     "negatives": "optional: LLM-written hard negatives for a ring of same-concept pairs -> generated_negatives.jsonl",
 }
+#: Exit status of a ``--batch`` stage that wrote its request files and waits for the uploaded batches' outputs.
+EXIT_AWAITING_BATCH = 3
+#: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold).
+EXIT_USAGE = 2
 TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
@@ -87,10 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(Exception):
+    """A problem with how the command was called, found before anything is sent or written."""
+
+
 def _client(args: argparse.Namespace) -> ChatClient | None:
     if args.batch:
         return None
-    return ChatClient(ClientConfig.from_env(model=args.model, concurrency=args.concurrency))
+    config = ClientConfig.from_env(model=args.model, concurrency=args.concurrency)
+    if not config.api_key:
+        raise UsageError(
+            "no API key configured: set OPENAI_API_KEY (any value for a local endpoint that ignores it, "
+            "with OPENAI_BASE_URL), or pass --batch to write Batch-API request files instead"
+        )
+    return ChatClient(config)
 
 
 def _stage_config(args: argparse.Namespace) -> StageConfig:
@@ -109,7 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bm25s").setLevel(logging.WARNING)
+    try:
+        return _run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except AwaitingBatchOutputs as e:
+        print(f"{e}\nrerun the same command once the outputs are in place.", file=sys.stderr)
+        return EXIT_AWAITING_BATCH
 
+
+def _run(args: argparse.Namespace) -> int:
     if args.command in LLM_STAGES:
         cfg, client = _stage_config(args), _client(args)
         concepts = load_concepts(args.concepts)
@@ -177,9 +205,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "contamination":
         if (args.benchmark is None) == (args.bright is None):
-            raise SystemExit("give exactly one of --benchmark FILE or --bright NAME_OR_PATH")
+            raise UsageError("give exactly one of --benchmark FILE or --bright NAME_OR_PATH")
+        try:
+            check_threshold(args.threshold)
+        except ValueError as e:
+            raise UsageError(f"--threshold: {e}") from None
+        records = [r for _, r in read_jsonl(args.input, [Field("user_query")])]
         benchmark = load_benchmark_queries(args.benchmark) if args.benchmark else load_bright_queries(args.bright)
-        records = [r for _, r in read_jsonl(args.input)]
         kept, report = remove_contaminated(records, benchmark, args.threshold)
         write_jsonl(args.output, kept)
         args.report.parent.mkdir(parents=True, exist_ok=True)

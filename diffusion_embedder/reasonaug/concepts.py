@@ -1,7 +1,14 @@
-"""Seed concepts (theorems, algorithms, formulas) that ReasonAug generates problems for."""
+"""Seed concepts (theorems, algorithms, formulas) that ReasonAug generates problems for, and request ids.
+
+A request's ``custom_id`` is derived from what it asks (stage, domain, concept, round and the request body),
+never from a line position: inserting, removing or reordering concepts and rerunning in the same workdir
+keeps every saved answer attached to its concept and sends only the requests that are new.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -9,9 +16,25 @@ from diffusion_embedder.reasonaug.llm import read_jsonl
 from diffusion_embedder.reasonaug.prompts import DIFFICULTY_REFERENCES, QUESTION_TYPES
 
 
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
+
+
+def concept_key(domain: str, instance: str) -> str:
+    """The content id of a concept without an explicit ``custom_id``."""
+    return f"concept-{_digest([domain, instance])}"
+
+
+def request_id(stage: str, domain: str, instance: str, round_: int, body: dict) -> str:
+    """``<stage>-r<round>-<digest>``: the digest covers domain, concept, stage, round and the request body, so an
+    answer on disk is only reused for exactly the request that produced it (same prompt, seed draw and model)."""
+    return f"{stage}-r{round_}-{_digest([stage, domain, instance, round_, body])}"
+
+
 @dataclass(frozen=True)
 class Concept:
-    """One seed concept. ``custom_id`` (``request-<k>``) keys its requests in every batch file."""
+    """One seed concept. ``custom_id`` is the id given in the concepts file (the released file keeps upstream's
+    ``request-<k>``, which maps each concept onto the released generation files), else ``concept_key``."""
 
     custom_id: str
     domain: str
@@ -19,19 +42,18 @@ class Concept:
     question_type: str
     references: list[str] = field(default_factory=list, hash=False, compare=False)
 
-    @property
-    def index(self) -> int:
-        return int(self.custom_id.rsplit("-", 1)[-1])
-
 
 def load_concepts(path: str | Path) -> list[Concept]:
-    """Read a concepts JSONL (``domain``, ``instance``; optional ``question_type``, ``references``).
+    """Read a concepts JSONL (``domain``, ``instance``; optional ``question_type``, ``references``, ``custom_id``).
 
     ``question_type`` and the difficulty ``references`` default to the upstream tables for the five
     ReasonAug domains; a new domain must give its ``question_type`` (coding, math, physics, finance, ...).
+    A concept listed twice (same name up to case and surrounding spaces) or a ``custom_id`` used twice is an
+    error naming both lines.
     """
     concepts: list[Concept] = []
-    seen: set[str] = set()
+    seen_instance: dict[str, int] = {}
+    seen_id: dict[str, int] = {}
     for lineno, r in read_jsonl(path):
         where = f"{path}:{lineno}"
         domain, instance = r.get("domain"), r.get("instance")
@@ -39,8 +61,9 @@ def load_concepts(path: str | Path) -> list[Concept]:
             raise ValueError(f"{where}: 'domain' must be a non-empty string, got {domain!r}")
         if not isinstance(instance, str) or not instance.strip():
             raise ValueError(f"{where}: 'instance' must be a non-empty string, got {instance!r}")
-        if instance in seen:
-            raise ValueError(f"{where}: duplicate instance {instance!r}")
+        name = instance.strip().casefold()
+        if name in seen_instance:
+            raise ValueError(f"{where}: duplicate concept {instance!r} (first on line {seen_instance[name]})")
         question_type = r.get("question_type") or QUESTION_TYPES.get(domain)
         if question_type is None:
             raise ValueError(
@@ -49,8 +72,12 @@ def load_concepts(path: str | Path) -> list[Concept]:
         references = r.get("references", DIFFICULTY_REFERENCES.get(domain, []))
         if not isinstance(references, list) or not all(isinstance(x, str) for x in references):
             raise ValueError(f"{where}: 'references' must be a list of strings, got {references!r}")
-        custom_id = r.get("custom_id") or f"request-{len(concepts) + 1}"
-        seen.add(instance)
+        custom_id = r.get("custom_id", concept_key(domain, instance))
+        if not isinstance(custom_id, str) or not custom_id:
+            raise ValueError(f"{where}: 'custom_id' must be a non-empty string, got {custom_id!r}")
+        if custom_id in seen_id:
+            raise ValueError(f"{where}: duplicate custom_id {custom_id!r} (first on line {seen_id[custom_id]})")
+        seen_instance[name], seen_id[custom_id] = lineno, lineno
         concepts.append(Concept(custom_id, domain, instance, question_type, references))
     if not concepts:
         raise ValueError(f"{path}: no concepts")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from diffusion_embedder.data.jsonl import Field
 from diffusion_embedder.reasonaug.llm import open_text, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -47,10 +48,20 @@ class ContaminationReport:
         }
 
 
+def check_threshold(threshold: float) -> float:
+    """A similarity threshold must be in (0, 1]: 0 or less flags everything, above 1 flags nothing."""
+    if not 0 < threshold <= 1:  # also refuses NaN
+        raise ValueError(f"contamination threshold must be in (0, 1], got {threshold}")
+    return threshold
+
+
 def find_contaminated(
     queries: list[str], benchmark: list[str], threshold: float = 0.7
 ) -> tuple[set[str], ContaminationReport]:
     """Return the distinct queries whose best ratio against ``benchmark`` reaches ``threshold``."""
+    check_threshold(threshold)
+    if not benchmark:
+        raise ValueError("no benchmark queries: an empty benchmark would pass every query as clean")
     report = ContaminationReport(threshold)
     distinct = sorted(set(queries))
     lowered = [q.lower() for q in distinct]
@@ -81,6 +92,9 @@ def remove_contaminated(
     records: list[dict], benchmark: list[str], threshold: float = 0.7
 ) -> tuple[list[dict], ContaminationReport]:
     """Drop every record whose ``user_query`` is contaminated."""
+    for i, r in enumerate(records):
+        if not isinstance(r.get("user_query"), str):
+            raise ValueError(f"record {i}: missing string field 'user_query'")
     flagged, report = find_contaminated([r["user_query"] for r in records], benchmark, threshold)
     kept = [r for r in records if r["user_query"] not in flagged]
     logger.info("contamination: %d of %d records removed", len(records) - len(kept), len(records))
@@ -88,22 +102,23 @@ def remove_contaminated(
 
 
 def load_benchmark_queries(source: str | Path, field_name: str = "query") -> list[str]:
-    """Benchmark queries from a ``.jsonl`` (``field_name``), ``.json`` list, or ``.txt`` (one per line) file."""
+    """Benchmark queries from a ``.jsonl`` (``field_name``), ``.json`` list, or ``.txt`` (one per line) file.
+
+    A file with no query is an error: checking against nothing would call every query clean.
+    """
     path = Path(source)
     if path.suffix in (".jsonl", ".gz"):
-        out = []
-        for lineno, r in read_jsonl(path):
-            if not isinstance(r.get(field_name), str):
-                raise ValueError(f"{path}:{lineno}: missing string field {field_name!r}")
-            out.append(r[field_name])
-        return out
-    if path.suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+        out = [r[field_name] for _, r in read_jsonl(path, [Field(field_name)])]
+    elif path.suffix == ".json":
+        out = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
             raise ValueError(f"{path}: expected a JSON list of strings")
-        return data
-    with open_text(path) as f:
-        return [line.rstrip("\n") for line in f if line.strip()]
+    else:
+        with open_text(path) as f:
+            out = [line.rstrip("\n") for line in f if line.strip()]
+    if not any(q.strip() for q in out):
+        raise ValueError(f"{path}: no benchmark queries; an empty benchmark would pass every query as clean")
+    return out
 
 
 def load_bright_queries(path: str = "xlangai/BRIGHT", subsets: tuple[str, ...] = BRIGHT_REASONING_SUBSETS) -> list[str]:

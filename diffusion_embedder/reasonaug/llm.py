@@ -15,12 +15,15 @@ import logging
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm import tqdm
+
+from diffusion_embedder.data import jsonl
+from diffusion_embedder.data.jsonl import Field
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +51,12 @@ def open_text(path: str | Path, mode: str = "rt"):
     return open(path, mode.replace("t", ""), encoding="utf-8")
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield ``(line_number, record)``; a broken line raises a ValueError naming file and line."""
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield lineno, record
+def read_jsonl(path: str | Path, fields: Iterable[Field] = ()) -> list[tuple[int, dict]]:
+    """``(line_number, record)`` per JSON object, through the package's one JSONL reader
+    (``data/jsonl.py``): a broken line, or one lacking a required ``fields`` entry, is a ``DataFormatError``
+    (a ValueError) naming file and line."""
+    records, _ = jsonl.read_jsonl(path, fields, lambda record, index: (index + 1, record))
+    return records
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:

@@ -2,7 +2,9 @@
 
 Upstream's problem-check outputs are missing, so the rebuild uses the generated pairs as they are and
 the real solution-check verdicts (``solution_check_output.jsonl``, ``custom_id`` = running pair id,
-concept-major, round-minor). For coding pairs the verifier's rewritten Python code replaces the solution,
+concept-major, round-minor). The released files keep upstream's ids; each concept's ``custom_id``
+(``request-<k>`` in ``ReasonAug/concepts.jsonl``) maps it onto them, whatever its line in the concepts file.
+For coding pairs the verifier's rewritten Python code replaces the solution,
 as upstream did; because the missing problem check replaced some pairs before verification, a coding
 verdict is only used when its code matches *this* pair better than any other round of the same concept
 (token overlap >= ``min_overlap``). Other coding pairs are dropped.
@@ -38,9 +40,23 @@ def find_file(root: Path, relative: str) -> Path:
     raise FileNotFoundError(f"{root / relative} (or .gz) not found")
 
 
-def pair_id(concept_position: int, round_: int, rounds: int) -> str:
-    """Running pair id used by the solution check: concept-major, round-minor, 1-based."""
-    return str((concept_position - 1) * rounds + round_)
+_UPSTREAM_ID = re.compile(r"request-([1-9][0-9]*)")
+
+
+def upstream_index(concept: Concept) -> int:
+    """``k`` of the concept's upstream id ``request-<k>``: its place in upstream's generation order."""
+    m = _UPSTREAM_ID.fullmatch(concept.custom_id)
+    if m is None:
+        raise ValueError(
+            f"concept {concept.instance!r} has custom_id {concept.custom_id!r}: the released generation files are "
+            "keyed by upstream ids request-<k>, so every concept of a rebuild needs one"
+        )
+    return int(m.group(1))
+
+
+def pair_id(concept_index: int, round_: int, rounds: int) -> str:
+    """Running pair id used by upstream's solution check: concept-major, round-minor, 1-based."""
+    return str((concept_index - 1) * rounds + round_)
 
 
 def overlap(a: str, b: str) -> float:
@@ -72,7 +88,8 @@ def load_generation(
     verdicts = read_batch_outputs(find_file(root, SOLUTION_CHECK_OUTPUT))
 
     data = []
-    for pos, concept in enumerate(concepts, 1):
+    for concept in concepts:
+        index = upstream_index(concept)
         d = definitions.get(concept.custom_id)
         parsed_def = parse_definition(d.content, concept.instance) if d and d.content else None
         if parsed_def is None:
@@ -92,7 +109,7 @@ def load_generation(
             pairs[r] = parsed
         problems, solutions = [], []
         for r, (problem, solution) in pairs.items():
-            verdict = verdicts.get(pair_id(pos, r, rounds))
+            verdict = verdicts.get(pair_id(index, r, rounds))
             if verdict is None or verdict.content is None:
                 report.missing_verdicts += 1
                 continue

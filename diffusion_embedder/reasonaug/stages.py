@@ -4,18 +4,21 @@ Every stage (1) writes its Batch-API request file (deterministic: prompts are se
 (2) sends the requests not yet answered in the stage's output file, appending answers one by one (or,
 without a client, expects the file downloaded from the OpenAI Batch API at the same path), and
 (3) parses the answers into a JSONL consumed by the next stage. Malformed answers are counted and
-regenerated (``<custom_id>#retry<n>``) up to ``max_regenerations`` times, then dropped.
+regenerated (``<custom_id>#retry<n>``) up to ``max_regenerations`` times, then dropped. Request ids come
+from the request's content (``concepts.request_id``), so answers stay with their concepts whatever the
+concepts file's order.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diffusion_embedder.reasonaug.concepts import Concept
+from diffusion_embedder.reasonaug.concepts import Concept, request_id
 from diffusion_embedder.reasonaug.llm import (
     Completer,
     make_request,
@@ -47,7 +50,6 @@ from diffusion_embedder.reasonaug.prompts import (
     sample_problem_options,
     solution_check_prompt,
 )
-from diffusion_embedder.reasonaug.rebuild import pair_id
 from diffusion_embedder.reasonaug.triplets import ConceptData, TripletConfig, ring_records
 
 logger = logging.getLogger(__name__)
@@ -103,12 +105,24 @@ class StageReport:
         return asdict(self)
 
 
-def _missing_message(missing: list[tuple[Path, Path]]) -> str:
-    lines = "\n".join(f"  submit {i}\n  save its output as {o}" for i, o in missing)
-    return (
-        "no answers yet: run with an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY), or use the OpenAI Batch API:\n"
-        + lines
-    )
+class AwaitingBatchOutputs(FileNotFoundError):
+    """Batch mode: the request files are written and the answers are not there yet (a normal stop, not a fault)."""
+
+    def __init__(self, missing: list[tuple[Path, Path]]):
+        lines = "\n".join(f"  submit {i}\n  save its output as {o}" for i, o in missing)
+        super().__init__(
+            "no answers yet: run with an endpoint (OPENAI_BASE_URL / OPENAI_API_KEY), or use the OpenAI Batch API:\n"
+            + lines
+        )
+        self.missing = missing
+
+
+def _request(
+    stage: str, domain: str, instance: str, round_: int, messages: list[dict], cfg: StageConfig, max_tokens: int
+) -> dict:
+    """A Batch-API request whose ``custom_id`` is derived from its content (``concepts.request_id``)."""
+    request = make_request("", messages, cfg.model, max_tokens)
+    return {**request, "custom_id": request_id(stage, domain, instance, round_, request["body"])}
 
 
 def _execute(
@@ -128,7 +142,7 @@ def _execute(
         report.skipped += run.skipped
         report.failed += len(run.failed)
     elif not output_path.exists():
-        raise FileNotFoundError(_missing_message([(input_path, output_path)]))
+        raise AwaitingBatchOutputs([(input_path, output_path)])
     outputs = read_batch_outputs(output_path)
     for r in requests:
         first = outputs.get(r["custom_id"])
@@ -144,15 +158,17 @@ def _message(role: str, content: str) -> dict:
 def run_definitions(concepts: list[Concept], cfg: StageConfig, client: Completer | None) -> StageReport:
     """One "Concept / Definition" request per concept -> ``definitions.jsonl``."""
     report = StageReport("definitions")
-    by_id = {c.custom_id: c for c in concepts}
     requests = [
-        make_request(
-            c.custom_id,
+        _request(
+            "definition",
+            c.domain,
+            c.instance,
+            0,
             [
                 _message("system", DEFINITION_SYSTEM),
                 _message("user", definition_prompt(c.domain, c.instance, c.question_type)),
             ],
-            cfg.model,
+            cfg,
             DEFINITION_MAX_TOKENS,
         )
         for c in concepts
@@ -165,9 +181,8 @@ def run_definitions(concepts: list[Concept], cfg: StageConfig, client: Completer
         client, requests, cfg.definition_input, cfg.definition_output, valid, cfg.max_regenerations, report
     )
     records = []
-    for req in requests:
-        c = by_id[req["custom_id"]]
-        text = select_answer(outputs, c.custom_id, valid, cfg.max_regenerations)
+    for c, req in zip(concepts, requests, strict=True):
+        text = select_answer(outputs, req["custom_id"], valid, cfg.max_regenerations)
         if text is None:
             report.dropped += 1
             continue
@@ -196,7 +211,7 @@ def problem_requests(concepts: list[Concept], round_: int, cfg: StageConfig) -> 
             _message("system", PROBLEM_SYSTEM),
             _message("user", problem_prompt(c.question_type, c.domain, c.instance, opts)),
         ]
-        requests.append(make_request(c.custom_id, messages, cfg.model, PROBLEM_MAX_TOKENS))
+        requests.append(_request("problem", c.domain, c.instance, round_, messages, cfg, PROBLEM_MAX_TOKENS))
     return requests
 
 
@@ -212,7 +227,7 @@ def run_problems(concepts: list[Concept], cfg: StageConfig, client: Completer | 
     if client is None and missing:  # batch mode: write every round's request file before asking for answers
         for r in rounds:
             write_batch_requests(cfg.problem_input(r), problem_requests(concepts, r, cfg))
-        raise FileNotFoundError(_missing_message(missing))
+        raise AwaitingBatchOutputs(missing)
     per_round = []
     for r in rounds:
         requests = problem_requests(concepts, r, cfg)
@@ -221,17 +236,18 @@ def run_problems(concepts: list[Concept], cfg: StageConfig, client: Completer | 
         )
         per_round.append((requests, outputs))
     records = []
-    for pos, c in enumerate(concepts, 1):
+    for pos, c in enumerate(concepts):
         for r, (requests, outputs) in enumerate(per_round, 1):
-            text = select_answer(outputs, c.custom_id, _valid_pair, cfg.max_regenerations)
+            request = requests[pos]
+            text = select_answer(outputs, request["custom_id"], _valid_pair, cfg.max_regenerations)
             if text is None:
                 report.dropped += 1
                 continue
             problem, solution = parse_problem_solution(text)
-            messages = requests[pos - 1]["body"]["messages"] + [_message("assistant", text)]
+            messages = request["body"]["messages"] + [_message("assistant", text)]
             records.append(
                 {
-                    "pair_id": pair_id(pos, r, cfg.rounds),
+                    "pair_id": request["custom_id"],
                     "custom_id": c.custom_id,
                     "round": r,
                     "domain": c.domain,
@@ -262,10 +278,13 @@ def run_check_problems(cfg: StageConfig, client: Completer | None) -> StageRepor
     report = StageReport("check-problems")
     pairs = _read_parsed(cfg.parsed("pairs"), "problems")
     requests = [
-        make_request(
-            p["pair_id"],
+        _request(
+            "problem-check",
+            p["domain"],
+            p["instance"],
+            p["round"],
             p["messages"] + [_message("user", problem_check_prompt(p["domain"], p["instance"]))],
-            cfg.model,
+            cfg,
             PROBLEM_MAX_TOKENS,
         )
         for p in pairs
@@ -280,8 +299,8 @@ def run_check_problems(cfg: StageConfig, client: Completer | None) -> StageRepor
         report,
     )
     records = []
-    for p in pairs:
-        text = select_answer(outputs, p["pair_id"], _valid_problem_check, cfg.max_regenerations)
+    for p, request in zip(pairs, requests, strict=True):
+        text = select_answer(outputs, request["custom_id"], _valid_problem_check, cfg.max_regenerations)
         if text is None:
             report.dropped += 1
             continue
@@ -301,8 +320,11 @@ def run_check_solutions(cfg: StageConfig, client: Completer | None) -> StageRepo
     report = StageReport("check-solutions")
     pairs = _read_parsed(cfg.parsed("checked_pairs"), "check-problems")
     requests = [
-        make_request(
-            p["pair_id"],
+        _request(
+            "solution-check",
+            p["domain"],
+            p["instance"],
+            p["round"],
             [
                 _message("system", SOLUTION_CHECK_SYSTEM),
                 _message(
@@ -310,7 +332,7 @@ def run_check_solutions(cfg: StageConfig, client: Completer | None) -> StageRepo
                     solution_check_prompt(p["question_type"], p["domain"], p["instance"], p["problem"], p["solution"]),
                 ),
             ],
-            cfg.model,
+            cfg,
             PROBLEM_MAX_TOKENS,
         )
         for p in pairs
@@ -325,8 +347,8 @@ def run_check_solutions(cfg: StageConfig, client: Completer | None) -> StageRepo
         report,
     )
     records = []
-    for p in pairs:
-        result = outputs.get(p["pair_id"])
+    for p, request in zip(pairs, requests, strict=True):
+        result = outputs.get(request["custom_id"])
         if result is None or result.content is None:
             report.dropped += 1
             continue
@@ -345,7 +367,7 @@ def run_check_solutions(cfg: StageConfig, client: Completer | None) -> StageRepo
 
 
 def load_concept_data(cfg: StageConfig, concepts: list[Concept]) -> list[ConceptData]:
-    """Join ``definitions.jsonl`` and ``verified_pairs.jsonl`` per concept (pair-id order)."""
+    """Join ``definitions.jsonl`` and ``verified_pairs.jsonl`` per concept (round order)."""
     definitions = {r["instance"]: r["definition"] for r in _read_parsed(cfg.parsed("definitions"), "definitions")}
     pairs: dict[str, list[dict]] = {}
     for p in _read_parsed(cfg.parsed("verified_pairs"), "check-solutions"):
@@ -355,7 +377,7 @@ def load_concept_data(cfg: StageConfig, concepts: list[Concept]) -> list[Concept
         if c.instance not in definitions:
             logger.warning("%s: no definition; concept skipped", c.instance)
             continue
-        ps = sorted(pairs.get(c.instance, []), key=lambda p: int(p["pair_id"]))
+        ps = sorted(pairs.get(c.instance, []), key=lambda p: p["round"])
         data.append(
             ConceptData(
                 c.instance,
@@ -375,9 +397,17 @@ def run_generated_negatives(
     """Optional: upstream's ring of consecutive same-concept pairs whose hard negative an LLM writes."""
     report = StageReport("negatives")
     ring = ring_records(data, triplet_config)
+    seen: Counter = Counter()
+    within = []  # each record's place in its own concept's ring, independent of the other concepts
+    for r in ring:
+        within.append(seen[r["instance"]])
+        seen[r["instance"]] += 1
     requests = [
-        make_request(
-            r["id"],
+        _request(
+            "negative",
+            r["domain"],
+            r["instance"],
+            q,
             [
                 _message("system", NEGATIVE_SYSTEM),
                 _message(
@@ -385,10 +415,10 @@ def run_generated_negatives(
                     negative_prompt(r["task"], r["domain"], r["instance"], r["user_query"], r["positive_document"]),
                 ),
             ],
-            cfg.model,
+            cfg,
             PROBLEM_MAX_TOKENS,
         )
-        for r in ring
+        for q, r in zip(within, ring, strict=True)
     ]
 
     def valid(text: str) -> bool:
@@ -404,8 +434,8 @@ def run_generated_negatives(
         report,
     )
     records = []
-    for r in ring:
-        text = select_answer(outputs, r["id"], valid, cfg.max_regenerations)
+    for r, request in zip(ring, requests, strict=True):
+        text = select_answer(outputs, request["custom_id"], valid, cfg.max_regenerations)
         if text is None:
             report.dropped += 1
             continue

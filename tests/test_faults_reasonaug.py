@@ -1,0 +1,181 @@
+"""Fault injection, ReasonAug: answers stay with their concepts when the concepts file is edited, duplicates,
+the released files' upstream ids, and the contamination check's and the CLI's bad inputs."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers, run_stage
+
+from diffusion_embedder.reasonaug import cli, llm
+from diffusion_embedder.reasonaug.concepts import load_concepts
+from diffusion_embedder.reasonaug.contamination import find_contaminated, load_benchmark_queries
+from diffusion_embedder.reasonaug.rebuild import load_generation
+from diffusion_embedder.reasonaug.stages import StageConfig
+
+ROOT = Path(__file__).resolve().parents[1] / "ReasonAug"
+ROWS = [json.loads(line) for line in (ROOT / "concepts.jsonl").read_text().splitlines()]
+#: Three coding and three math concepts, written without ids (content ids) as a user's own file would be.
+BASE = [{k: r[k] for k in ("domain", "instance")} for r in ROWS[:3] + ROWS[150:153]]
+NEW = {k: ROWS[200][k] for k in ("domain", "instance")}
+
+
+def write_concepts(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_all(rows: list[dict], workdir: Path) -> list[str]:
+    """Every stage once, with a fresh fake client per stage; returns the request bodies sent."""
+    concepts = load_concepts(write_concepts(workdir.parent / f"{workdir.name}.jsonl", rows))
+    cfg = StageConfig(workdir, model="fake", rounds=2, seed=1, max_regenerations=2)
+    sent = []
+    for name in STAGES:
+        client = FakeLLM()
+        run_stage(name, concepts, cfg, client)
+        sent += client.bodies
+    return sent
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """The base concepts run to the end once; each edit test starts from a copy of this workdir."""
+    workdir = tmp_path_factory.mktemp("base") / "work"
+    return workdir, run_all(BASE, workdir)
+
+
+EDITS = {
+    "insert": BASE[:2] + [NEW] + BASE[2:],
+    "remove": BASE[:2] + BASE[3:],
+    "reorder": BASE[::-1],
+    "insert, remove and reorder": [BASE[4], NEW, BASE[0], BASE[5], BASE[1], BASE[3]],
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_editing_the_concepts_file_keeps_answers_with_their_concepts(first_run, tmp_path, edit):
+    """Rerunning an edited concepts file in the used workdir gives exactly what a fresh run gives, sending
+    only the requests the first run did not send."""
+    base_dir, base_sent = first_run
+    reused = tmp_path / "reused"
+    shutil.copytree(base_dir, reused)
+    rerun_sent = run_all(EDITS[edit], reused)
+    fresh_sent = run_all(EDITS[edit], tmp_path / "fresh")
+    assert parsed_files(reused) == parsed_files(tmp_path / "fresh")
+    assert Counter(rerun_sent) == Counter(fresh_sent) - Counter(base_sent)
+    if NEW not in EDITS[edit]:
+        assert rerun_sent == []
+    else:
+        assert rerun_sent and all(NEW["instance"] in body for body in rerun_sent)
+    # every answer the first run saved is still in the reused workdir, under the same id
+    before, after = raw_answers(base_dir), raw_answers(reused)
+    for name, answers in before.items():
+        assert answers.items() <= after[name].items()
+
+
+def test_duplicate_concepts_and_ids_name_both_lines(tmp_path):
+    path = tmp_path / "c.jsonl"
+    variant = {"domain": BASE[1]["domain"], "instance": "  N-QUEENS problem "}
+    write_concepts(path, [BASE[0], BASE[1], BASE[2], variant])
+    with pytest.raises(ValueError, match=r"c.jsonl:4: duplicate concept '  N-QUEENS problem ' \(first on line 2\)"):
+        load_concepts(path)
+    rows = [{**BASE[0], "custom_id": "request-7"}, BASE[1], {**BASE[2], "custom_id": "request-7"}]
+    write_concepts(path, rows)
+    with pytest.raises(ValueError, match=r"c.jsonl:3: duplicate custom_id 'request-7' \(first on line 1\)"):
+        load_concepts(path)
+    write_concepts(path, [BASE[0], {**BASE[1], "custom_id": ""}])
+    with pytest.raises(ValueError, match=r"c.jsonl:2: 'custom_id' must be a non-empty string"):
+        load_concepts(path)
+
+
+def test_rebuild_maps_concepts_to_upstream_ids_whatever_their_order(tmp_path):
+    """The released generation files keep upstream ids; the concepts file's ``custom_id`` maps onto them."""
+    picked = ROWS[85:95]  # coding and math concepts around the boundary
+    shuffled = picked[:]
+    random.Random(0).shuffle(shuffled)
+    in_order, _ = load_generation(ROOT / "generation", load_concepts(write_concepts(tmp_path / "a.jsonl", picked)))
+    reordered, _ = load_generation(ROOT / "generation", load_concepts(write_concepts(tmp_path / "b.jsonl", shuffled)))
+    assert {c.instance: c for c in in_order} == {c.instance: c for c in reordered}
+    full, _ = load_generation(ROOT / "generation", load_concepts(ROOT / "concepts.jsonl"))
+    by_name = {c.instance: c for c in full}
+    assert all(by_name[c.instance] == c for c in reordered)
+    write_concepts(tmp_path / "c.jsonl", [{k: r[k] for k in ("domain", "instance")} for r in picked])
+    with pytest.raises(ValueError, match=r"has custom_id 'concept-[0-9a-f]+'.*keyed by upstream ids request-<k>"):
+        load_generation(ROOT / "generation", load_concepts(tmp_path / "c.jsonl"))
+
+
+# ---------------------------------------------------------------- contamination check
+
+
+@pytest.mark.parametrize("name,content", [("q.jsonl", ""), ("q.txt", "\n  \n"), ("q.json", "[]"), ("q.jsonl", "\n")])
+def test_empty_benchmark_file_is_refused(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=rf"{name}: no benchmark queries"):
+        load_benchmark_queries(path)
+    with pytest.raises(ValueError, match="no benchmark queries"):
+        find_contaminated(["a query"], [])
+
+
+@pytest.mark.parametrize("threshold", [0, -0.5, 1.01, float("nan")])
+def test_threshold_outside_zero_one_is_refused(tmp_path, threshold, capsys):
+    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+        find_contaminated(["a query"], ["a query"], threshold)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"user_query": "q"}) + "\n")
+    (tmp_path / "bench.txt").write_text("q\n")
+    args = ["contamination", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    args += ["--report", str(tmp_path / "r.json"), "--benchmark", str(tmp_path / "bench.txt")]
+    assert cli.main([*args, "--threshold", str(threshold)]) == cli.EXIT_USAGE
+    assert "--threshold: contamination threshold must be in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
+    assert cli.main([*args, "--threshold", "1"]) == 0  # the bound itself is allowed: exact duplicates only
+    assert not (tmp_path / "out.jsonl").read_text()
+
+
+def test_records_without_user_query_name_file_and_line(tmp_path):
+    rows = [{"user_query": "fine"}, {"user_query": "also fine"}, {"query": "wrong field"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "bench.txt").write_text("something\n")
+    args = ["contamination", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    args += ["--report", str(tmp_path / "r.json"), "--benchmark", str(tmp_path / "bench.txt")]
+    with pytest.raises(ValueError, match=r"in.jsonl:3: missing field 'user_query'"):
+        cli.main(args)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+# ---------------------------------------------------------------- batch mode and API keys
+
+
+def test_batch_mode_waiting_for_uploads_is_a_normal_stop(tmp_path, capsys):
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE)
+    for stage in ("definitions", "problems"):
+        args = [stage, "--workdir", str(tmp_path / "w"), "--concepts", str(concepts), "--rounds", "2", "--batch"]
+        assert cli.main(args) == cli.EXIT_AWAITING_BATCH
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "save its output as" in err and "rerun the same command" in err
+    cfg = StageConfig(tmp_path / "w", rounds=2)
+    assert cfg.definition_input.exists() and cfg.problem_input(1).exists() and cfg.problem_input(2).exists()
+
+
+def test_live_stage_without_api_key_stops_before_sending(tmp_path, monkeypatch, capsys):
+    posted = []
+
+    async def post(self, url, headers, body):
+        posted.append(headers)
+        return 200, {}, {"id": "x", "choices": [{"message": {"content": "**Concept**\nX\n**Definition**\nd"}}]}
+
+    monkeypatch.setattr(llm.UrllibTransport, "post", post)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE[:2])
+    args = ["definitions", "--workdir", str(tmp_path / "w"), "--concepts", str(concepts)]
+    assert cli.main(args) == cli.EXIT_USAGE
+    assert "no API key configured: set OPENAI_API_KEY" in capsys.readouterr().err
+    assert posted == [] and not (tmp_path / "w").exists()
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    assert cli.main(args) == 0
+    assert len(posted) == 2 and all(h["Authorization"] == "Bearer sk-test" for h in posted)
