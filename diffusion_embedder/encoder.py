@@ -404,7 +404,9 @@ class Encoder(nn.Module):
             collate = self._collate
             check_batch_size(batch_size)
             if packing_mod.use_packing(packing, self.model, device_type, max(lengths)):
-                pack_length = max_tokens_per_batch or packing_mod.DEFAULT_PACK_LENGTH.get(device_type, 4096)
+                pack_length = max_tokens_per_batch
+                if pack_length is None:
+                    pack_length = packing_mod.DEFAULT_PACK_LENGTH.get(device_type, 4096)
                 batches = packing_mod.sequential_packs(lengths, pack_length)
                 collate = functools.partial(self._collate_packed, pack_length=pack_length)
             else:
