@@ -95,14 +95,27 @@ def test_mask_readout_is_refused_without_a_mask_token():
         mask_encoder(LLADA_FIXTURE, mask_readout_tokens=0)
 
 
-def test_eval_flags_reach_the_encoder():
-    from diffusion_embedder.evaluation.run import load_encoder, parse_args
+def test_evaluation_with_mask_readout(tmp_path, monkeypatch):
+    """The eval CLI's flags reach the encoder; mteb's nDCG@10 on a local task is that of the readout vectors."""
+    monkeypatch.setenv("MTEB_CACHE", str(tmp_path / "mteb_cache"))
+    from test_eval_local import REASONAUG, REASONAUG_INSTRUCTION, ndcg_at_10, read_jsonl
 
-    args = parse_args(["--base_model_name_or_path", str(LLADA_FIXTURE), "--pooling_mode", "mask_token",
-                       "--mask_readout_tokens", "2", "--device", "cpu"])
-    encoder = load_encoder(args)
+    from diffusion_embedder.evaluation import run
+
+    args = run.parse_args(["--base_model_name_or_path", str(LLADA_FIXTURE), "--pooling_mode", "mask_token",
+                           "--mask_readout_tokens", "2", "--device", "cpu", "--local_task", str(REASONAUG),
+                           "--output_dir", str(tmp_path / "results"), "--no_progress_bar"])
+    encoder = run.load_encoder(args)
     assert (encoder.config.pooling_mode, encoder.config.mask_readout_tokens) == ("mask_token", 2)
     assert encoder.tokenize(["x"])["input_ids"][0, -2:].tolist() == [956, 956]
+    outcome = run.evaluate(run.wrap_encoder(encoder, args), run.task_factories(args), args)
+    assert not outcome.failures
+    queries, corpus = read_jsonl(REASONAUG / "queries.jsonl"), read_jsonl(REASONAUG / "corpus.jsonl")
+    doc_index = {d["_id"]: i for i, d in enumerate(corpus)}
+    qrels = [{doc_index[f"c{q['_id'][1:]}r{r}"] for r in range(2, 7)} for q in queries]
+    query_emb = encoder.encode([[REASONAUG_INSTRUCTION, q["text"]] for q in queries], convert_to_numpy=True)
+    doc_emb = encoder.encode([["", d["text"]] for d in corpus], convert_to_numpy=True)
+    assert outcome.scores["ReasonAugConceptRetrieval"] == pytest.approx(ndcg_at_10(query_emb, doc_emb, qrels), abs=1e-5)
 
 
 @pytest.mark.parametrize("fixture", [DREAM_FIXTURE, LLADA_FIXTURE], ids=["Dream", "llada"])
