@@ -89,6 +89,7 @@ _LLADA_FIXED = {
     "residual_dropout": 0.0,
     "embedding_dropout": 0.0,
     "rope_scaling": None,
+    "clip_qkv": None,
 }
 
 
