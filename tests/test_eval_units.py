@@ -174,18 +174,20 @@ def test_cache_is_hit_on_the_second_pass_and_invalidated_by_model_or_settings(tm
 
 
 def test_revision_is_a_hash_of_weights_and_settings_ablations_go_to_experiment_kwargs(family_checkpoint):
-    def meta(path, **kw):
-        enc = Encoder.from_pretrained(str(path), torch_dtype=torch.float32, device="cpu", **kw)
-        return MTEBEncoder(enc).mteb_model_meta
+    def meta(path, overrides=None, **kw):
+        enc = Encoder.from_pretrained(str(path), torch_dtype=torch.float32, device="cpu", **kw, **(overrides or {}))
+        return MTEBEncoder(enc, overrides=overrides).mteb_model_meta
 
     a, a_again = meta(LLAMA_FIXTURE), meta(LLAMA_FIXTURE)
     assert (a.name, a.revision) == (a_again.name, a_again.revision)
     assert meta(family_checkpoint("llama")).revision != a.revision
+    # other settings without saying they are an override (an API user): another revision, never a's scores
     assert meta(LLAMA_FIXTURE, max_length=256).revision != a.revision
-    causal = meta(LLAMA_FIXTURE, enable_bidirectional=False)
-    assert causal.revision == a.revision
-    assert a.experiment_name == "bidirectional_True__pooling_mean"
-    assert causal.experiment_name == "bidirectional_False__pooling_mean"
+    assert meta(LLAMA_FIXTURE, enable_bidirectional=False).revision != a.revision
+    # the checkpoint's own settings: mteb's standard path; an override: an experiments/ folder naming it
+    assert a.experiment_name is None
+    causal = meta(LLAMA_FIXTURE, overrides={"enable_bidirectional": False, "pooling_mode": "eos_token"})
+    assert causal.experiment_name == "enable_bidirectional_False__pooling_mode_eos_token"
 
 
 def test_results_folder_of_another_checkpoint_is_refused(tmp_path):

@@ -1,9 +1,12 @@
 """The mteb 2.x model around an ``Encoder``: instructions on queries only, per-split lengths, cached documents.
 
-The ``ModelMeta`` name/revision come from the checkpoint: the revision is a hash of the weights
-actually loaded (base, merged and unmerged adapters, pooling head) and of the encoder settings, so a
-retrained checkpoint never picks up another's cached scores. Attention and pooling go to
-``experiment_kwargs`` so ablations of one checkpoint sit side by side under one revision.
+The ``ModelMeta`` name/revision come from the checkpoint: the revision is a hash of the weights the
+forward pass uses (base with every adapter folded in, pooling head) and of the encoder settings, so a
+retrained checkpoint never picks up another's scores, and the same weights loaded as base + adapter
+or as an encoder folder get the same revision. Settings overridden for one evaluation (``overrides``:
+pooling, attention, lengths) and non-default evaluation settings go to ``experiment_kwargs``, so a
+checkpoint evaluated with its own settings sits at mteb's standard path and ablations under
+``experiments/``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,15 +33,47 @@ logger = logging.getLogger(__name__)
 
 #: How FollowIR's per-query instruction joins the query (upstream and mteb: query first).
 DEFAULT_QUERY_TEMPLATE = "{query} {instruction}"
-ABLATION_KEYS = ("enable_bidirectional", "pooling_mode")
+#: Where the weights came from, not what they are: never part of the revision.
+PROVENANCE_KEYS = ("base_model_name_or_path", "merged_adapters")
+TRAIN_CONFIG = "train_config.json"
+PAPER = "https://arxiv.org/abs/2505.15045"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def effective_state(module) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of the weights the forward pass uses, in name order.
+
+    An unmerged LoRA layer is folded into its base weight exactly as ``merge_and_unload`` does (in
+    place, in the base weight's dtype) and named as after merging, so an adapter kept beside its base
+    and the same adapter merged give the same tensors.
+    """
+    state = dict(module.state_dict())
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        LoraLayer = ()  # noqa: N806
+    for name, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer) or getattr(sub, "merged", False):
+            continue
+        weight = state.pop(f"{name}.base_layer.weight").clone()
+        for adapter in sub.active_adapters:
+            if adapter in sub.lora_A:
+                weight += sub.get_delta_weight(adapter).to(weight.device)
+        state[f"{name}.weight"] = weight
+        if f"{name}.base_layer.bias" in state:
+            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
+        for key in [k for k in state if k.startswith(f"{name}.lora_")]:
+            del state[key]
+    for key in sorted(state):
+        yield key.replace("base_model.model.", "", 1), state[key]
 
 
 def weights_hash(module) -> str:
-    """SHA-256 over every tensor of ``module.state_dict()`` (name, dtype, shape, bytes), in name order."""
+    """SHA-256 over every effective tensor (name, dtype, shape, bytes), in name order."""
     import torch
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(effective_state(module)):
         t = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
@@ -49,15 +86,74 @@ def encoder_settings(encoder) -> dict:
 
 
 def checkpoint_name(path: str) -> str:
-    """``diffusion_embedder/<last path part>``: readable; uniqueness comes from the revision."""
-    tail = os.path.basename(os.path.normpath(path)) or "model"
-    return f"diffusion_embedder/{tail}"
+    """``diffusion_embedder/<run>-checkpoint-<N>`` for a training checkpoint, else ``diffusion_embedder/<folder>``.
+
+    Readable, and different for two runs' ``checkpoint-10``; the revision tells apart weights that share a name.
+    """
+    parts = [p for p in os.path.normpath(path).replace("\\", "/").split("/") if p not in ("", ".")]
+    tail = parts[-1] if parts else "model"
+    if re.fullmatch(r"checkpoint-\d+", tail) and len(parts) > 1:
+        tail = f"{parts[-2]}-{tail}"
+    return "diffusion_embedder/" + re.sub(r"[^A-Za-z0-9._-]+", "_", tail)
 
 
-def model_revision(weights: str, settings: dict) -> str:
-    stable = {k: v for k, v in settings.items() if k not in ABLATION_KEYS and k != "base_model_name_or_path"}
+def model_revision(weights: str, settings: dict, overrides: dict | None = None) -> str:
+    """Hash of the weights and of the settings the checkpoint brings (overridden ones are experiment kwargs)."""
+    skip = {*PROVENANCE_KEYS, *(overrides or {})}
+    stable = {k: v for k, v in settings.items() if k not in skip}
     blob = json.dumps({"weights": weights, "settings": stable}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def training_datasets(*folders: str | None) -> set[str] | None:
+    """The training set named by the run's ``train_config.json`` (in the checkpoint folder or its run folder)."""
+    for folder in folders:
+        if not folder:
+            continue
+        for candidate in (folder, os.path.dirname(os.path.normpath(folder))):
+            path = os.path.join(candidate, TRAIN_CONFIG)
+            if os.path.isfile(path):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        config = json.load(f)
+                except (OSError, json.JSONDecodeError) as e:
+                    logger.warning("%s unreadable (%s): training data left unknown in the model metadata.", path, e)
+                    return None
+                data = config.get("data", config) if isinstance(config, dict) else {}
+                name = data.get("dataset_name") if isinstance(data, dict) else None
+                return {name} if isinstance(name, str) else None
+    return None
+
+
+def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any) -> MTEBEncoder:
+    """``ModelMeta.loader``: rebuild the evaluated model from its metadata (``meta.load_model()``).
+
+    ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
+    kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
+    """
+    import inspect
+
+    from diffusion_embedder import Encoder
+    from diffusion_embedder.encoder import EncoderConfig
+
+    settings = set(EncoderConfig().to_dict()) & set(inspect.signature(Encoder.from_pretrained).parameters)
+    settings -= {*PROVENANCE_KEYS, "model_type"}
+    overrides = {k: v for k, v in kwargs.items() if k in settings}
+    encoder = Encoder.from_pretrained(
+        kwargs["base_model_name_or_path"],
+        peft_model_name_or_path=kwargs.get("peft_model_name_or_path"),
+        merge_peft=kwargs.get("peft_model_name_or_path") is not None,
+        torch_dtype=kwargs.get("torch_dtype"),
+        device=kwargs.get("device"),
+        **overrides,
+    )
+    model = MTEBEncoder(encoder, name=model_name, overrides=overrides,
+                        max_length_cap=kwargs.get("length_cap", 32768),
+                        source={k: kwargs.get(k) for k in ("base_model_name_or_path", "peft_model_name_or_path")})
+    if revision is not None and model.mteb_model_meta.revision != revision:
+        logger.warning("%s: the weights loaded now have revision %s, not the recorded %s.",
+                       model_name, model.mteb_model_meta.revision, revision)
+    return model
 
 
 class MTEBEncoder(AbsEncoder):
@@ -82,7 +178,11 @@ class MTEBEncoder(AbsEncoder):
         name: str | None = None,
         revision: str | None = None,
         extra_experiment_kwargs: dict[str, Any] | None = None,
+        overrides: dict[str, Any] | None = None,
+        source: dict[str, str | None] | None = None,
     ):
+        """``overrides``: encoder settings set for this evaluation only (not the checkpoint's own);
+        ``source``: ``base_model_name_or_path`` / ``peft_model_name_or_path`` the weights were loaded from."""
         if "{query}" not in query_template or "{instruction}" not in query_template:
             raise ValueError(f"query_template must contain {{query}} and {{instruction}}, got {query_template!r}.")
         self.model = encoder
@@ -91,40 +191,66 @@ class MTEBEncoder(AbsEncoder):
         self.cache = cache
         self.max_length_cap = max_length_cap
         settings = encoder_settings(encoder)
+        overrides = dict(overrides or {})
         self.weights = weights_hash(encoder) if hasattr(encoder, "state_dict") else None
         if revision is None:
             if self.weights is None:
                 raise ValueError("An encoder without state_dict() needs an explicit revision.")
-            revision = model_revision(self.weights, settings)
+            revision = model_revision(self.weights, settings, overrides)
+        source = {k: v for k, v in (source or {}).items() if v}
+        base = settings.get("base_model_name_or_path")
         if name is None:
-            source = settings.get("base_model_name_or_path") or type(encoder).__name__
-            name = checkpoint_name(source)
+            where = source.get("peft_model_name_or_path") or source.get("base_model_name_or_path")
+            name = checkpoint_name(where or base or type(encoder).__name__)
         self.identity = {"name": name, "revision": revision, "weights": self.weights, "settings": settings}
-        experiment = {
-            "bidirectional": settings.get("enable_bidirectional"),
-            "pooling": settings.get("pooling_mode"),
-            **(extra_experiment_kwargs or {}),
-        }
+        experiment = {**overrides, **(extra_experiment_kwargs or {})}
         experiment = {k: v for k, v in experiment.items() if v is not None}
-        self.mteb_model_meta = ModelMeta(
-            loader=None,
+        self.mteb_model_meta = ModelMeta(**self._meta_fields(encoder, name, revision, settings, source),
+                                         experiment_kwargs=experiment or None)
+
+    @staticmethod
+    def _meta_fields(encoder, name: str, revision: str, settings: dict, source: dict) -> dict[str, Any]:
+        """What we know of the model: sizes from the weights, provenance from the settings and the run folder."""
+        base = settings.get("base_model_name_or_path") or None
+        loaded_from = source.get("peft_model_name_or_path") or source.get("base_model_name_or_path")
+        adapted = bool(settings.get("merged_adapters")) or (loaded_from is not None and loaded_from != base)
+        n_parameters = memory = n_embedding = None
+        if hasattr(encoder, "state_dict"):
+            tensors = [t for _, t in effective_state(encoder)]
+            n_parameters = sum(t.numel() for t in tensors)
+            memory = round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
+            get_embeddings = getattr(getattr(encoder, "model", None), "get_input_embeddings", None)
+            if get_embeddings is not None:
+                n_embedding = get_embeddings().weight.numel()
+        hub = loaded_from if loaded_from and _HUB_ID.match(loaded_from) and not os.path.exists(loaded_from) else None
+        dtype = None
+        if hasattr(encoder, "parameters"):
+            first = next(iter(encoder.parameters()), None)
+            dtype = str(first.dtype).removeprefix("torch.") if first is not None else None
+        loader_kwargs = {**source, "torch_dtype": dtype} if source else {}
+        return dict(
+            loader=load_mteb_model if source.get("base_model_name_or_path") else None,
+            loader_kwargs={k: v for k, v in loader_kwargs.items() if v is not None},
             name=name,
             revision=revision,
             release_date=None,
             languages=None,
-            n_parameters=sum(p.numel() for p in encoder.parameters()) if hasattr(encoder, "parameters") else None,
-            memory_usage_mb=None,
+            n_parameters=n_parameters,
+            n_embedding_parameters=n_embedding,
+            memory_usage_mb=memory,
             max_tokens=settings.get("max_length"),
             embed_dim=getattr(encoder, "embedding_dim", None),
             license=None,
-            open_weights=None,
+            open_weights=True,
             public_training_code=None,
             public_training_data=None,
             framework=["PyTorch"],
+            reference=f"https://huggingface.co/{hub}" if hub else PAPER,
             similarity_fn_name=ScoringFunction.COSINE,
             use_instructions=True,
-            training_datasets=None,
-            experiment_kwargs=experiment or None,
+            training_datasets=training_datasets(source.get("peft_model_name_or_path"),
+                                                source.get("base_model_name_or_path")),
+            adapted_from=base if adapted else None,
         )
 
     # ------------------------------------------------------------------ inputs

@@ -1,9 +1,11 @@
 """Evaluation driver: load a checkpoint, build the tasks, run mteb per task, keep going past failures.
 
-Results go to ``OUTPUT_DIR/results/<name>/<revision>/experiments/<ablation>/<Task>.json`` (mteb's
-layout); the revision is a hash of the loaded weights and settings, and ``identity.jsonl`` beside the
-results is checked on every run, so scores of another checkpoint are never reused. A stored result
-is reused only for the same data (dataset revision; for local tasks a hash of their files).
+Results go to mteb's standard path ``OUTPUT_DIR/results/<name>/<revision>/<Task>.json`` when the checkpoint
+is evaluated with its own settings, and under ``<revision>/experiments/<ablation>/`` when encoder or
+evaluation settings are overridden. The revision is a hash of the loaded weights and settings, and
+``identity.jsonl`` beside the results is checked on every run, so scores of another checkpoint are never
+reused. A stored result is reused only for the same data (dataset revision; for local tasks a hash of
+their files).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 #: Beside the results: the weights and settings they belong to. Not ``*.json``: mteb's ResultCache reads
 #: every ``*.json`` next to ``model_meta.json`` as a task result.
 IDENTITY_FILE = "identity.jsonl"
+#: Encoder settings the command line may override; an override is an ablation (an ``experiments/`` folder).
+ENCODER_FLAGS = ("enable_bidirectional", "pooling_mode", "mask_readout_tokens", "max_length", "doc_max_length")
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
 FULL_RANKING = 2**62
 
@@ -114,9 +118,14 @@ def parse_args(argv: list[str] | None = None) -> EvalArguments:
     return EvalArguments(**vars(build_parser().parse_args(argv)))
 
 
+def encoder_overrides(args: EvalArguments) -> dict:
+    """Encoder settings given on the command line; unset ones are the checkpoint's own."""
+    return {k: getattr(args, k) for k in ENCODER_FLAGS if getattr(args, k) is not None}
+
+
 def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict:
-    """Evaluation settings that change scores go into the results folder name."""
-    extra: dict = {"top_k": args.top_k if args.top_k is not None else "full"}
+    """Non-default evaluation settings that change scores; they name an ``experiments/`` results folder."""
+    extra: dict = {} if args.top_k is None else {"top_k": args.top_k}
     if args.task_to_instructions_fp:
         blob = json.dumps(instructions, sort_keys=True).encode()
         extra["instructions"] = hashlib.sha256(blob).hexdigest()[:8]
@@ -137,13 +146,9 @@ def load_encoder(args: EvalArguments):
         args.base_model_name_or_path,
         peft_model_name_or_path=args.peft_model_name_or_path,
         merge_peft=args.peft_model_name_or_path is not None,
-        enable_bidirectional=args.enable_bidirectional,
-        pooling_mode=args.pooling_mode,
-        mask_readout_tokens=args.mask_readout_tokens,
-        max_length=args.max_length,
-        doc_max_length=args.doc_max_length,
         torch_dtype=args.torch_dtype,
         device=args.device,
+        **encoder_overrides(args),
     )
 
 
@@ -157,20 +162,18 @@ def wrap_encoder(encoder, args: EvalArguments):
     cache = None
     if not args.no_embedding_cache:
         cache = EmbeddingCache(args.embedding_cache_dir or os.path.join(args.output_dir, "embedding_cache"))
-    name = args.model_name
-    if name is None and (args.peft_model_name_or_path or args.base_model_name_or_path):
-        from diffusion_embedder.evaluation.model import checkpoint_name
-
-        name = checkpoint_name(args.peft_model_name_or_path or args.base_model_name_or_path)
     return MTEBEncoder(
         encoder,
         instructions=instructions,
         query_template=args.query_template,
         cache=cache,
         max_length_cap=args.max_length_cap,
-        name=name,
+        name=args.model_name,
         revision=args.revision,
         extra_experiment_kwargs=experiment_kwargs(args, instructions),
+        overrides=encoder_overrides(args),
+        source={"base_model_name_or_path": args.base_model_name_or_path,
+                "peft_model_name_or_path": args.peft_model_name_or_path},
     )
 
 
@@ -197,8 +200,10 @@ def check_identity(results_dir: Path, identity: dict) -> None:
     legacy = results_dir / "identity.json"
     if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
         legacy.rename(path)
-    # where the weights were loaded from is provenance, not identity (a copied checkpoint is the same one)
-    settings = {k: v for k, v in identity["settings"].items() if k != "base_model_name_or_path"}
+    # where the weights were loaded from is provenance, not identity (a copied checkpoint, or an adapter
+    # loaded beside its base instead of merged, is the same one)
+    provenance = ("base_model_name_or_path", "merged_adapters")
+    settings = {k: v for k, v in identity["settings"].items() if k not in provenance}
     record = {"weights": identity["weights"], "settings": settings}
     if path.exists():
         try:
