@@ -345,7 +345,14 @@ def load_backbone(
         load_kwargs["device_map"] = device_map
     if spec.key_mapping:
         load_kwargs["key_mapping"] = spec.key_mapping
-    model = AutoModel.from_pretrained(name_or_path, use_safetensors=True, **load_kwargs)
+    model, info = AutoModel.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    if info["missing_keys"]:  # transformers would fill them with random values: a silently different encoder
+        missing = sorted(info["missing_keys"])
+        raise OSError(
+            f"The weights in {name_or_path!r} lack {len(missing)} tensor(s) the {spec.model_type} model needs "
+            f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): the safetensors file is incomplete "
+            "or from another architecture; re-download or re-save it."
+        )
     if getattr(config, "mask_token_id", None) is not None:
         model.config.mask_token_id = config.mask_token_id
     set_bidirectional(model, enable_bidirectional)

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import DREAM_FIXTURE, FAMILIES, default_attention
+from safetensors.torch import load_file, save_file
 
 import diffusion_embedder.backbones as backbones
 from diffusion_embedder import Encoder
@@ -52,21 +53,25 @@ def with_mode(encoder: Encoder, mode: str, skip_instruction: bool) -> Encoder:
 
 @pytest.mark.parametrize("family", BACKBONES)
 def test_empty_text_is_finite_and_batch_independent(encoders, family):
-    """Alone, in a batch with longer texts and at every batch size: the same finite vector, every pooling mode."""
+    """Alone, in a padded batch with longer texts, at every batch size and packed: the same finite vector,
+    every pooling mode."""
     base = encoders(family)
     inputs = EMPTY_INPUTS + OTHER_INPUTS
     has_mask = getattr(base.model.config, "mask_token_id", None) is not None
     for mode in [m for m in POOLING_MODES if m != "mask_token" or has_mask]:  # mask_token: Dream, LLaDA only
         for skip_instruction in (True, False):
             encoder = with_mode(base, mode, skip_instruction)
-            batched = encoder.encode(inputs, batch_size=len(inputs), show_progress_bar=False)
-            assert torch.isfinite(batched).all(), (family, mode)
-            assert batched.abs().sum(-1).min() > 0, (family, mode)  # never a silent zero vector
-            pairs = encoder.encode(inputs, batch_size=2, show_progress_bar=False)
+            runs = {
+                "padded": encoder.encode(inputs, batch_size=len(inputs), packing=False, show_progress_bar=False),
+                "pairs": encoder.encode(inputs, batch_size=2, packing=False, show_progress_bar=False),
+                "packed": encoder.encode(inputs, packing=True, show_progress_bar=False),
+            }
             for i, item in enumerate(EMPTY_INPUTS):
-                alone = encoder.encode([item], show_progress_bar=False)[0]
-                assert torch.allclose(alone, batched[i], atol=1e-5, rtol=0), (family, mode, skip_instruction, i)
-                assert torch.allclose(alone, pairs[i], atol=1e-5, rtol=0), (family, mode, skip_instruction, i)
+                alone = encoder.encode([item], packing=False, show_progress_bar=False)[0]
+                for name, out in runs.items():
+                    where = (family, mode, skip_instruction, i, name)
+                    assert torch.isfinite(out).all() and out.abs().sum(-1).min() > 0, where  # never a zero vector
+                    assert torch.allclose(alone, out[i], atol=1e-5, rtol=0), where
 
 
 @pytest.mark.parametrize("family", BACKBONES)
@@ -216,3 +221,30 @@ def test_broken_config_files_name_the_file(broken_copy, family, name, damage, mo
     monkeypatch.setattr(backbones, "load_backbone", _no_weights)
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(expected)):
         Encoder.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_weights_missing_a_tensor_are_refused_not_random(broken_copy, family):
+    """A readable file that lacks a tensor would be filled with random values by transformers: refuse it."""
+    folder = broken_copy(family)
+    weights = load_file(folder / "model.safetensors")
+    dropped = sorted(name for name in weights if "layers.1." in name or "blocks.1." in name)[0]
+    del weights[dropped]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(OSError, match=rf"The weights in '{re.escape(str(folder))}' lack 1 tensor\(s\)"):
+        Encoder.from_pretrained(str(folder))
+
+
+def test_sharded_checkpoint_names_the_damaged_shard(family_checkpoint, tmp_path, monkeypatch):
+    from transformers import AutoModel
+
+    AutoModel.from_pretrained(str(family_checkpoint("llama"))).save_pretrained(tmp_path, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(family_checkpoint("llama") / name, tmp_path / name)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert Encoder.from_pretrained(str(tmp_path)).encode(["a"], show_progress_bar=False).shape == (1, 64)
+    shards[1].write_bytes(shards[1].read_bytes()[:-10])
+    monkeypatch.setattr(backbones.AutoModel, "from_pretrained", _no_weights)
+    with pytest.raises(OSError, match=re.escape(f"{shards[1]} is truncated or corrupted")):
+        Encoder.from_pretrained(str(tmp_path))
