@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -155,13 +156,36 @@ class RepllamaLoss:
         return all_gather_with_grad(per_query).mean()
 
 
-LOSSES = {"HardNegativeNLLLoss": HardNegativeNLLLoss, "RepllamaLoss": RepllamaLoss}
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: its class and which training-config field feeds each constructor argument."""
+
+    loss: type
+    options: dict[str, str] = field(default_factory=dict)
 
 
-def load_loss(loss_class: str, scale: float = 50.0, scale_by_dim: bool = True, **kwargs):
-    """The loss named in a training config, with its own options."""
-    if loss_class == "HardNegativeNLLLoss":
-        return HardNegativeNLLLoss(scale=scale)
-    if loss_class == "RepllamaLoss":
-        return RepllamaLoss(scale_by_dim=scale_by_dim, **kwargs)
-    raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")
+#: ``loss_class`` values; adding a loss is one entry here.
+LOSSES: dict[str, LossSpec] = {
+    "HardNegativeNLLLoss": LossSpec(HardNegativeNLLLoss, {"scale": "loss_scale"}),
+    "RepllamaLoss": LossSpec(
+        RepllamaLoss,
+        {a: a for a in ("scale_by_dim", "in_batch_negatives", "cross_device_negatives")},
+    ),
+}
+
+
+def _spec(loss_class: str) -> LossSpec:
+    if loss_class not in LOSSES:
+        raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")
+    return LOSSES[loss_class]
+
+
+def load_loss(loss_class: str, **options):
+    """The loss named ``loss_class``, built with its own constructor ``options``."""
+    return _spec(loss_class).loss(**options)
+
+
+def loss_from_config(loss_class: str, settings: object):
+    """The loss named ``loss_class`` with the options it registered, read from a config object's fields."""
+    spec = _spec(loss_class)
+    return spec.loss(**{arg: getattr(settings, name) for arg, name in spec.options.items()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from .batching import HomogeneousSampler, homogeneous_order
@@ -22,26 +23,43 @@ from .jsonl import DataFormatError
 from .msmarco import MSMARCO, MSMARCO_HUB_NAME, MSMARCO_INSTRUCTION
 from .reasonaug import ReasonAug
 from .sample import ContrastiveDataset, Pair, TrainSample, train_instruction
+from .text import TextBlocks, load_text_blocks, read_texts
+from .wiki1m import WIKI1M_HUB_FILE, Wiki1M
 
-#: ``dataset_name`` values (upstream names kept: ``E5Mix`` is the fork's ReasonAug loader).
-DATASET_READERS: dict[str, type[ContrastiveDataset]] = {
-    "E5": E5,
-    "MSMARCO": MSMARCO,
-    "ReasonAug": ReasonAug,
-    "E5Mix": ReasonAug,
-    "Custom": Custom,
+
+@dataclass(frozen=True)
+class ReaderSpec:
+    """A registered training-set reader: its class, where it looks by default, its negatives per sample,
+    and which config options (``DataArguments`` fields, plus ``seed``) it takes."""
+
+    reader: type[ContrastiveDataset]
+    default_path: str | None
+    #: hard negatives per sample it yields by default (0: in-batch negatives only)
+    negatives: int
+    options: tuple[str, ...] = ()
+    #: the ``DataArguments`` field holding its path (ReasonAug's upstream name is ``aug_file_path``)
+    path_field: str = "dataset_file_path"
+
+    @property
+    def fixed_negatives(self) -> bool:
+        """True when the data has exactly ``negatives`` per sample (no ``num_negatives`` option)."""
+        return "num_negatives" not in self.options
+
+
+_REASONAUG = ReaderSpec(
+    ReasonAug, "ReasonAug/ReasonAug_train.jsonl.gz", 1, ("domain", "task"), path_field="aug_file_path"
+)
+
+#: ``dataset_name`` values (upstream names kept: ``E5Mix`` is the fork's ReasonAug loader). Adding a
+#: reader is one entry here.
+DATASET_READERS: dict[str, ReaderSpec] = {
+    "E5": ReaderSpec(E5, "cache/echo-data", 1),
+    "MSMARCO": ReaderSpec(MSMARCO, MSMARCO_HUB_NAME, 15, ("num_negatives", "seed")),
+    "ReasonAug": _REASONAUG,
+    "E5Mix": _REASONAUG,
+    "Custom": ReaderSpec(Custom, None, 1, ("num_negatives",)),
+    "Wiki1M": ReaderSpec(Wiki1M, WIKI1M_HUB_FILE, 0),
 }
-
-#: Where each reader looks when no path is given.
-DEFAULT_PATHS: dict[str, str] = {
-    "E5": "cache/echo-data",
-    "MSMARCO": MSMARCO_HUB_NAME,
-    "ReasonAug": "ReasonAug/ReasonAug_train.jsonl.gz",
-    "E5Mix": "ReasonAug/ReasonAug_train.jsonl.gz",
-}
-
-#: Negatives per sample each reader yields (what the collator's ``num_negatives`` should be).
-READER_NEGATIVES: dict[str, int | None] = {"E5": 1, "MSMARCO": 15, "ReasonAug": 1, "E5Mix": 1, "Custom": None}
 
 
 def load_train_dataset(dataset_name: str, path: str | os.PathLike | None = None, **options: Any) -> ContrastiveDataset:
@@ -50,23 +68,28 @@ def load_train_dataset(dataset_name: str, path: str | os.PathLike | None = None,
         close = difflib.get_close_matches(dataset_name, DATASET_READERS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown dataset_name {dataset_name!r}{hint}; choose from {', '.join(DATASET_READERS)}")
+    spec = DATASET_READERS[dataset_name]
     if path is None:
-        if dataset_name not in DEFAULT_PATHS:
+        if spec.default_path is None:
             raise ValueError(f"dataset_name {dataset_name!r} needs a data file path")
-        path = DEFAULT_PATHS[dataset_name]
-    return DATASET_READERS[dataset_name](path, **options)
+        path = spec.default_path
+    return spec.reader(path, **options)
 
 
 __all__ = [
     "DATASET_READERS",
-    "DEFAULT_PATHS",
     "E5",
     "E5_DATASETS",
     "E5_INSTRUCTIONS",
     "MSMARCO",
     "MSMARCO_HUB_NAME",
     "MSMARCO_INSTRUCTION",
-    "READER_NEGATIVES",
+    "WIKI1M_HUB_FILE",
+    "ReaderSpec",
+    "TextBlocks",
+    "Wiki1M",
+    "load_text_blocks",
+    "read_texts",
     "ContrastiveCollator",
     "ContrastiveDataset",
     "Custom",

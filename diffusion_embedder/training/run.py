@@ -14,8 +14,8 @@ import sys
 import torch.distributed as dist
 from transformers import set_seed
 
-from diffusion_embedder.data import READER_NEGATIVES, ContrastiveCollator, ContrastiveDataset, load_train_dataset
-from diffusion_embedder.losses import load_loss
+from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
+from diffusion_embedder.losses import loss_from_config
 from diffusion_embedder.training.arguments import ConfigError, TrainConfig, parse_args
 from diffusion_embedder.training.checkpoints import find_last_checkpoint, is_complete_checkpoint
 from diffusion_embedder.training.model import prepare_encoder
@@ -70,22 +70,17 @@ def resolve_resume(value: str | None, output_dir: str) -> str | None:
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
-    """The reader named in the config with its options; returns it and the negatives per query."""
+    """The reader named in the config with the options it registered; returns it and the negatives per query."""
     d = cfg.data
     name = d.dataset_name
-    options: dict = {"skip_bad_lines": d.skip_bad_lines}
-    path = d.dataset_file_path
-    if name in ("ReasonAug", "E5Mix"):
-        path = d.aug_file_path or d.dataset_file_path
-        options.update(domain=d.domain, task=d.task)
-    elif name == "MSMARCO":
-        options.update(num_negatives=d.num_negatives or READER_NEGATIVES[name], seed=cfg.training.seed)
-    elif name == "Custom":
-        options.update(num_negatives=1 if d.num_negatives is None else d.num_negatives)
-    dataset = load_train_dataset(name, path, **options)
-    negatives = d.num_negatives if d.num_negatives is not None else (READER_NEGATIVES[name] or 1)
-    if name in ("E5", "ReasonAug", "E5Mix") and negatives > 1:
-        raise ConfigError(f"num_negatives={negatives}: {name} has one hard negative per query.")
+    spec = DATASET_READERS[name]
+    negatives = d.num_negatives if d.num_negatives is not None else spec.negatives
+    if spec.fixed_negatives and negatives > spec.negatives:
+        raise ConfigError(f"num_negatives={negatives}: {name} has {spec.negatives} hard negative(s) per query.")
+    available = {**vars(d), "num_negatives": negatives, "seed": cfg.training.seed}
+    options = {key: available[key] for key in spec.options}
+    path = getattr(d, spec.path_field) or d.dataset_file_path
+    dataset = load_train_dataset(name, path, skip_bad_lines=d.skip_bad_lines, **options)
     if d.max_train_samples is not None and d.max_train_samples < len(dataset):
         dataset = ContrastiveDataset(dataset.samples[: d.max_train_samples], dataset.name, dataset.num_bad_records)
     if dataset.num_bad_records:
@@ -104,14 +99,7 @@ def train(cfg: TrainConfig) -> str:
 
     dataset, num_negatives = build_dataset(cfg)
     encoder = prepare_encoder(cfg.model, cfg.custom, t)
-    c = cfg.custom
-    negatives_options = {"in_batch_negatives": c.in_batch_negatives, "cross_device_negatives": c.cross_device_negatives}
-    loss_fn = load_loss(
-        c.loss_class,
-        scale=c.loss_scale,
-        scale_by_dim=c.scale_by_dim,
-        **(negatives_options if c.loss_class == "RepllamaLoss" else {}),
-    )
+    loss_fn = loss_from_config(cfg.custom.loss_class, cfg.custom)
     trainer = EncoderTrainer(
         model=encoder,
         args=t,

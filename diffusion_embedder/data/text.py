@@ -1,0 +1,115 @@
+"""Plain text for the language-model stages (MNTP, masked diffusion, causal LM) and SimCSE.
+
+Texts come from a hub dataset through ``datasets`` (upstream MNTP: ``wikitext`` /
+``wikitext-103-raw-v1``) or from local files: ``.txt`` (one text per line), ``.jsonl`` / ``.json``
+(one object per line with a text field), optionally gzipped. For the LM stages they are tokenized,
+concatenated and cut into blocks of ``max_seq_length`` tokens (the remainder dropped), as
+``run_mntp.py`` does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator, Sequence
+from itertools import chain
+
+import torch
+
+from .jsonl import DataFormatError
+
+logger = logging.getLogger(__name__)
+
+
+def _open(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _file_texts(path: str, text_column: str) -> Iterator[str]:
+    """Non-blank texts of one local file; a bad JSON line or a missing field names the file and line."""
+    stem = path[:-3] if path.endswith(".gz") else path
+    is_json = stem.endswith((".jsonl", ".json"))
+    with _open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if not is_json:
+                yield line.rstrip("\n")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+            text = record.get(text_column) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DataFormatError(f"{path}:{number}: no string field {text_column!r}")
+            if text.strip():
+                yield text
+
+
+def read_texts(
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    train_files: Sequence[str] = (),
+    text_column: str = "text",
+    split: str = "train",
+) -> list[str]:
+    """Every non-blank text of a hub dataset (``dataset_name``) or of local ``train_files``."""
+    if bool(dataset_name) == bool(train_files):
+        raise ValueError("give either dataset_name (a hub dataset) or train_file (local files), not both or neither")
+    if dataset_name:
+        from datasets import load_dataset
+
+        dataset = load_dataset(dataset_name, dataset_config_name, split=split)
+        if text_column not in dataset.column_names:
+            raise DataFormatError(f"{dataset_name}: no column {text_column!r} (columns: {dataset.column_names})")
+        return [t for t in dataset[text_column] if t and t.strip()]
+    texts: list[str] = []
+    for path in train_files:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"train_file {path!r} does not exist")
+        texts.extend(_file_texts(path, text_column))
+    if not texts:
+        raise DataFormatError(f"no text in {list(train_files)}")
+    return texts
+
+
+def group_into_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> list[list[int]]:
+    """Concatenate every text's tokens and cut blocks of ``block_size``, dropping the remainder."""
+    if block_size < 2:
+        raise ValueError(f"block size (max_seq_length) must be >= 2, got {block_size}")
+    flat = list(chain.from_iterable(token_lists))
+    return [flat[i : i + block_size] for i in range(0, len(flat) - block_size + 1, block_size)]
+
+
+class TextBlocks(torch.utils.data.Dataset):
+    """Token blocks of one length, in a seeded shuffled order (so a resumed run replays the same order)."""
+
+    def __init__(self, blocks: list[list[int]], seed: int = 0):
+        if not blocks:
+            raise DataFormatError("the text gives no complete block of max_seq_length tokens; lower max_seq_length")
+        order = list(range(len(blocks)))
+        random.Random(seed).shuffle(order)
+        self.blocks = torch.tensor([blocks[i] for i in order], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.blocks[index]
+
+
+def load_text_blocks(
+    tokenizer, texts: Sequence[str], max_seq_length: int, seed: int = 0, max_blocks: int | None = None
+) -> TextBlocks:
+    """Tokenize (with the tokenizer's special tokens, as upstream), group into blocks, shuffle."""
+    ids = tokenizer(list(texts), add_special_tokens=True, verbose=False)["input_ids"]
+    blocks = group_into_blocks(ids, max_seq_length)
+    logger.info("%d texts -> %d blocks of %d tokens", len(texts), len(blocks), max_seq_length)
+    dataset = TextBlocks(blocks, seed)
+    if max_blocks is not None:
+        dataset.blocks = dataset.blocks[:max_blocks]
+    return dataset
