@@ -16,6 +16,7 @@ import argparse
 import gzip
 import json
 import logging
+import math
 import os
 import random
 import subprocess
@@ -108,12 +109,33 @@ def train_arm(arm: str, init: Path, output_dir: Path, settings: DemoSettings) ->
         str(script), str(settings.config_dir / f"{arm}.json"),
         "--model_name_or_path", str(init), "--output_dir", str(output_dir), "--seed", str(settings.seed),
     ]
-    if settings.max_steps is not None:
-        command += ["--max_steps", str(settings.max_steps)]
+    if settings.max_steps is not None:  # a checkpoint at the last step keeps its loss log
+        command += ["--max_steps", str(settings.max_steps), "--save_steps", str(settings.max_steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     logger.info("Training the %s arm: %s", arm, " ".join(command))
     subprocess.run(command, check=True, env=env, cwd=REPO)
     return output_dir
+
+
+def final_training_loss(run_dir: Path) -> float:
+    """The last logged training loss of a run (from its newest checkpoint's trainer state)."""
+    states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+    if not states:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint with a trainer_state.json")
+    history = json.loads(states[-1].read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry][-1]
+
+
+def chance_loss(config: Path, nproc: int) -> float:
+    """InfoNCE loss of an encoder that cannot tell candidates apart: ln(global batch x (1 + one hard negative))."""
+    values = json.loads(config.read_text())
+    global_batch = values["per_device_train_batch_size"] * nproc * values.get("gradient_accumulation_steps", 1)
+    return math.log(2 * global_batch)
+
+
+def learned(final_loss: float, chance: float) -> bool:
+    """An arm whose training loss ends within 10% of chance did not learn its training task."""
+    return final_loss < 0.9 * chance
 
 
 def scores_of(results_dir: str, task_name: str) -> dict[str, float]:
@@ -147,10 +169,18 @@ def evaluate_models(models: dict[str, tuple[str, bool]], task: Path, output_dir:
 
 
 def results_table(scores: dict[str, dict]) -> str:
-    lines = ["| model | attention | training | nDCG@10 | Recall@100 |", "|---|---|---|---|---|"]
+    lines = [
+        "| model | attention | training | nDCG@10 | Recall@100 | final train loss (chance) |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, s in scores.items():
         arm, stage = label.rsplit("-", 1)
-        lines.append(f"| {label} | {arm} | {stage} | {100 * s['ndcg_at_10']:.2f} | {100 * s['recall_at_100']:.2f} |")
+        loss = ""
+        if "final_loss" in s:
+            verdict = "" if learned(s["final_loss"], s["chance_loss"]) else ": near chance, did not learn"
+            loss = f"{s['final_loss']:.3f} ({s['chance_loss']:.3f}){verdict}"
+        row = f"| {label} | {arm} | {stage} | {100 * s['ndcg_at_10']:.2f} | {100 * s['recall_at_100']:.2f} | {loss} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -171,6 +201,9 @@ def run_demo(settings: DemoSettings) -> dict[str, dict]:
         models[f"{arm}-untrained"] = (str(init), arm == "bidirectional")
         models[f"{arm}-trained"] = (str(checkpoints[arm]), arm == "bidirectional")
     scores = evaluate_models(models, task, out)
+    for arm in ARMS:
+        scores[f"{arm}-trained"]["final_loss"] = final_training_loss(checkpoints[arm])
+        scores[f"{arm}-trained"]["chance_loss"] = chance_loss(settings.config_dir / f"{arm}.json", settings.nproc)
 
     from diffusion_embedder.evaluation.report import write_report
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import pytest
 
 from diffusion_embedder.demo import (
     HELDOUT_SPLIT,
@@ -31,7 +34,16 @@ def test_training_raises_ndcg_on_heldout_concepts(tmp_path: Path):
     settings = DemoSettings(tmp_path, max_queries=100, max_steps=60)
     scores = run_demo(settings)
     assert set(scores) == {"bidirectional-untrained", "bidirectional-trained", "causal-untrained", "causal-trained"}
-    assert scores["bidirectional-trained"]["ndcg_at_10"] > scores["bidirectional-untrained"]["ndcg_at_10"]
+    # The arm that should learn (bidirectional) gains a clear margin on unseen concepts (one run measured
+    # 21.4 -> 34.7 nDCG@10 with these settings) and loses no recall.
+    before, after = scores["bidirectional-untrained"], scores["bidirectional-trained"]
+    assert after["ndcg_at_10"] >= before["ndcg_at_10"] + 0.06, (before, after)
+    assert after["recall_at_100"] >= before["recall_at_100"], (before, after)
+    # The table reports each arm's final training loss next to chance, ln(2 x 32 candidates).
+    for arm in ("bidirectional", "causal"):
+        assert scores[f"{arm}-trained"]["chance_loss"] == pytest.approx(math.log(64))
+        assert 0 < scores[f"{arm}-trained"]["final_loss"] < 20
+    assert "final train loss (chance)" in (tmp_path / "report" / "demo.md").read_text()
     report = tmp_path / "report"
     assert (report / "demo.md").exists() and (report / "demo.csv").exists()
     assert list(report.glob("*.png"))
