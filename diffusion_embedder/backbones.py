@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
     PretrainedConfig,
@@ -320,9 +321,11 @@ def load_backbone(
     torch_dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
     device_map: str | dict | None = None,
+    lm_head: bool = False,
     **kwargs,
 ) -> PreTrainedModel:
-    """Load a supported decoder as an encoder trunk whose forward returns ``last_hidden_state``.
+    """Load a supported decoder as an encoder trunk whose forward returns ``last_hidden_state``
+    (with ``lm_head``: the ``*ForCausalLM`` model, whose forward returns logits; the LM stages).
 
     ``torch_dtype=None`` loads float32 (predictable on CPU); pass ``torch.bfloat16`` or ``"auto"`` on GPU.
     Extra ``kwargs`` go to ``from_pretrained`` (``revision``, ``token``, ``attention_dropout``...).
@@ -344,8 +347,11 @@ def load_backbone(
     if device_map is not None:
         load_kwargs["device_map"] = device_map
     if spec.key_mapping:
+        if lm_head:
+            raise ValueError(f"{name_or_path}: the LM stages do not support {spec.model_type} checkpoints yet.")
         load_kwargs["key_mapping"] = spec.key_mapping
-    model, info = AutoModel.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    auto = AutoModelForCausalLM if lm_head else AutoModel
+    model, info = auto.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
     if info["missing_keys"]:  # transformers would fill them with random values: a silently different encoder
         missing = sorted(info["missing_keys"])
         raise OSError(
@@ -356,7 +362,7 @@ def load_backbone(
     if getattr(config, "mask_token_id", None) is not None:
         model.config.mask_token_id = config.mask_token_id
     set_bidirectional(model, enable_bidirectional)
-    check_attention(model, expect_bidirectional=enable_bidirectional)
+    check_attention(model.base_model if lm_head else model, expect_bidirectional=enable_bidirectional)
     logger.info(
         "Loaded %s (%s, %s attention, %s)",
         name_or_path,

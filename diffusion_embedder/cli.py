@@ -5,8 +5,12 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
+from diffusion_embedder.training.stages import STAGES
+
 COMMANDS = {
-    "train": ("diffusion_embedder.training.run", "contrastive LoRA training from a JSON config (torchrun for >1 GPU)"),
+    "train": (STAGES["supervised"].module, STAGES["supervised"].help + " (torchrun for >1 GPU)"),
+    "mntp": (STAGES["mntp"].module, STAGES["mntp"].help),
+    "simcse": (STAGES["simcse"].module, STAGES["simcse"].help),
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),

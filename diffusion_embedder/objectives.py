@@ -106,6 +106,11 @@ def maskable(
     return allowed
 
 
+def _rand(shape: tuple[int, ...], like: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform draws on ``like``'s device (the global RNG unless a generator is given)."""
+    return torch.rand(shape, generator=generator, device=like.device)
+
+
 def mask_token_for(tokenizer, mask_token_type: str = "blank") -> int:
     """LLM2Vec's choice: the tokenizer's own mask token, else "_" (blank), EOS or an added "<mask>"."""
     if tokenizer.mask_token is not None:
@@ -162,16 +167,16 @@ class MntpMasker:
     ) -> MaskedBatch:
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         allowed = maskable(input_ids, attention_mask, never_first=True, special_ids=self.special_ids)
-        masked = (torch.rand(input_ids.shape, generator=generator) < self.mlm_probability) & allowed
+        masked = (_rand(input_ids.shape, input_ids, generator) < self.mlm_probability) & allowed
         corrupted = input_ids.clone()
         if self.collator == "all_mask":
             corrupted[masked] = self.mask_token_id
         else:
-            draw = torch.rand(input_ids.shape, generator=generator)
+            draw = _rand(input_ids.shape, input_ids, generator)
             to_mask = masked & (draw < 0.8)
             to_random = masked & (draw >= 0.8) & (draw < 0.9)
             corrupted[to_mask] = self.mask_token_id
-            random_ids = torch.randint(self.vocab_size, input_ids.shape, generator=generator)
+            random_ids = torch.randint(self.vocab_size, input_ids.shape, generator=generator, device=input_ids.device)
             corrupted[to_random] = random_ids[to_random]
         return MaskedBatch(corrupted, input_ids, masked, attention_mask)
 
@@ -197,9 +202,9 @@ class MdmMasker:
         generator: torch.Generator | None = None,
     ) -> MaskedBatch:
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        t = (1 - self.eps) * torch.rand(input_ids.shape[0], generator=generator) + self.eps
+        t = (1 - self.eps) * _rand((input_ids.shape[0],), input_ids, generator) + self.eps
         allowed = maskable(input_ids, attention_mask, never_first=self.shift, special_ids=self.special_ids)
-        masked = (torch.rand(input_ids.shape, generator=generator) < t[:, None]) & allowed
+        masked = (_rand(input_ids.shape, input_ids, generator) < t[:, None]) & allowed
         corrupted = torch.where(masked, torch.full_like(input_ids, self.mask_token_id), input_ids)
         return MaskedBatch(corrupted, input_ids, masked, attention_mask, t)
 

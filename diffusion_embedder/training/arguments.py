@@ -105,6 +105,9 @@ class CustomArguments:
     grad_cache_chunk_size: int | None = field(
         default=None, metadata={"help": "GradCache: texts per forward chunk (memory bounded by the chunk)."}
     )
+    simcse_dropout: float | None = field(
+        default=None, metadata={"help": "Backbone attention dropout (SimCSE's two views; upstream 0.3)."}
+    )
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
@@ -202,9 +205,9 @@ def _enum_choices(tp: Any) -> list[str] | None:
     return None
 
 
-def _field_table() -> dict[str, tuple[type, dataclasses.Field, Any]]:
+def _field_table(classes: tuple[type, ...] = ARGUMENT_CLASSES) -> dict[str, tuple[type, dataclasses.Field, Any]]:
     table = {}
-    for cls in ARGUMENT_CLASSES:
+    for cls in classes:
         hints = _hints(cls)
         for name, f in _fields(cls).items():
             table.setdefault(name, (cls, f, hints[name]))
@@ -227,9 +230,9 @@ def _parse_cli_value(raw: str, tp: Any) -> Any:
     return raw if _matches(raw, tp) else value
 
 
-def parse_overrides(argv: list[str]) -> dict[str, Any]:
+def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSES) -> dict[str, Any]:
     """``["--lr", "1e-4", "--bf16", "--x=1"]`` -> values typed by the fields they name (unknown keys kept raw)."""
-    table = _field_table()
+    table = _field_table(classes)
     out: dict[str, Any] = {}
     i = 0
     while i < len(argv):
@@ -254,9 +257,10 @@ def parse_overrides(argv: list[str]) -> dict[str, Any]:
     return out
 
 
-def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
-    """Check every key, type, choice and required field; build the four argument objects."""
-    table = _field_table()
+def _value_errors(
+    values: dict[str, Any], table: dict[str, tuple], choices: dict[str, tuple], own_classes: tuple[type, ...]
+) -> list[str]:
+    """Unknown keys (with the closest valid one), wrong types, values outside their choices, missing fields."""
     errors: list[str] = []
     for key, value in values.items():
         if key not in table:
@@ -268,15 +272,22 @@ def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
         if not _matches(value, tp):
             errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {_describe(tp)}")
             continue
-        allowed = CHOICES.get(key) or (_enum_choices(tp) if isinstance(value, str) else None)
+        allowed = choices.get(key) or (_enum_choices(tp) if isinstance(value, str) else None)
         if allowed is not None and value not in allowed:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed if a is not None], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             errors.append(f"{key}: {value!r} is not one of {[a for a in allowed]}{hint}")
-    for cls in ARGUMENT_CLASSES[:3]:
+    for cls in own_classes:
         for name, f in _fields(cls).items():
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in values:
                 errors.append(f"missing required field {name!r} ({cls.__name__})")
+    return errors
+
+
+def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
+    """Check every key, type, choice and required field; build the four argument objects."""
+    table = _field_table()
+    errors = _value_errors(values, table, CHOICES, ARGUMENT_CLASSES[:3])
     for name in REQUIRED_TRAINING:
         if values.get(name) is None:
             errors.append(f"missing required field {name!r} (TrainingArguments)")
@@ -301,8 +312,10 @@ def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
     return TrainConfig(model, data, custom, training, dict(values))
 
 
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a JSON config, apply ``--key value`` overrides, validate."""
+def read_config_values(
+    path: str | os.PathLike, overrides: list[str] | None = None, classes: tuple[type, ...] = ARGUMENT_CLASSES
+) -> dict[str, Any]:
+    """A JSON config's values with ``--key value`` overrides applied (typed by the fields of ``classes``)."""
     try:
         with open(path, encoding="utf-8") as f:
             values = json.load(f)
@@ -312,8 +325,13 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the config must be a JSON object, got {type(values).__name__}.")
-    values.update(parse_overrides(overrides or []))
-    return validate(values, source=f"config {path}")
+    values.update(parse_overrides(overrides or [], classes))
+    return values
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a JSON config, apply ``--key value`` overrides, validate."""
+    return validate(read_config_values(path, overrides), source=f"config {path}")
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -337,3 +355,43 @@ def field_docs() -> list[tuple[str, str, str, str]]:
                 default = "required"
             rows.append((cls.__name__, name, _describe(hints[name]), f"{default}: {f.metadata.get('help', '')}"))
     return rows
+
+
+@dataclass(frozen=True)
+class StageSchema:
+    """Another stage's config (MNTP / MDM / CLM): its own argument classes, then ``TrainingArguments``,
+    checked by the same rules as supervised training (unknown keys, types, choices, required fields,
+    numeric ranges given as ``(low, high)`` with ``(bound, inclusive)`` or None)."""
+
+    classes: tuple[type, ...]
+    choices: dict[str, tuple] = field(default_factory=dict)
+    ranges: dict[str, tuple] = field(default_factory=dict)
+    #: integer fields that must be >= 1 when set
+    positive: tuple[str, ...] = ("max_seq_length", "lora_r", "stop_after_n_steps", "max_train_samples")
+
+    def validate(self, values: dict[str, Any], source: str = "config") -> list[Any]:
+        """The argument objects, one per class, or a ``ConfigError`` listing every problem."""
+        table = _field_table(self.classes)
+        errors = _value_errors(values, table, self.choices, self.classes[:-1])
+        errors += [f"missing required field {n!r} (TrainingArguments)" for n in REQUIRED_TRAINING if not values.get(n)]
+        for name in self.positive:
+            value = values.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                errors.append(f"{name}: must be >= 1, got {value}")
+        for name, (low, high) in self.ranges.items():
+            value = values.get(name)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                continue
+            if low is not None and (value < low[0] or (value == low[0] and not low[1])):
+                errors.append(f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}")
+            if high is not None and (value > high[0] or (value == high[0] and not high[1])):
+                errors.append(f"{name}: must be {'<=' if high[1] else '<'} {high[0]}, got {value}")
+        if errors:
+            raise ConfigError(f"Invalid {source}:\n  - " + "\n  - ".join(errors))
+        groups: dict[type, dict[str, Any]] = {cls: {} for cls in self.classes}
+        for key, value in {**TRAINING_DEFAULTS, **_runtime_defaults(), **values}.items():
+            groups[table[key][0]][key] = value
+        try:
+            return [cls(**groups[cls]) for cls in self.classes]
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"Invalid {source}: {err}") from err

@@ -36,6 +36,7 @@ def prepare_encoder(model_args, custom, training_args) -> Encoder:
         attn_implementation=model_args.attn_implementation,
         prompt_template=model_args.prompt_template,
         device=training_args.device,
+        **({"attention_dropout": custom.simcse_dropout} if custom.simcse_dropout is not None else {}),
     )
     if continue_adapter:
         for name, param in encoder.model.named_parameters():

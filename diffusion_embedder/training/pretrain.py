@@ -1,0 +1,279 @@
+"""Language-model stages: MNTP (LLM2Vec), masked-diffusion adaptation and causal LM, on the model with its LM head.
+
+``torchrun --nproc_per_node=N experiments/run_mntp.py CONFIG.json [--key value ...]``
+(also ``diffusion-embedder mntp``). ``objective`` picks the masker and the loss
+(``diffusion_embedder.objectives``); attention is bidirectional unless the objective is ``clm``.
+Text (a hub dataset through ``datasets`` or local files) is grouped into blocks of
+``max_seq_length`` tokens. Checkpoints, resume and the NaN stop are ``RunTrainer``'s, as for
+supervised training.
+
+The output folder is laid out like LLM2Vec's ``-mntp`` repos: the base's ``config.json``, the LoRA
+adapter of the inner model (``adapter_config.json`` + ``adapter_model.safetensors``) and the
+tokenizer, so ``Encoder.from_pretrained(OUTPUT)`` merges it and a supervised config can start from
+it (``model_name_or_path: OUTPUT``). With ``full_training`` (pretraining a small model from scratch)
+every weight trains and the folder holds the full weights instead of an adapter.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import TrainingArguments, set_seed
+
+from diffusion_embedder import backbones
+from diffusion_embedder.data import load_text_blocks, read_texts
+from diffusion_embedder.dtypes import TORCH_DTYPES
+from diffusion_embedder.objectives import (
+    MASK_TOKEN_TYPES,
+    MNTP_COLLATORS,
+    OBJECTIVES,
+    Objective,
+    ObjectiveOptions,
+    mask_token_for,
+)
+from diffusion_embedder.training.arguments import LORA_TARGETS, ConfigError, StageSchema, read_config_values
+from diffusion_embedder.training.run import resolve_resume
+from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer, StopAfterNStepsCallback
+
+logger = logging.getLogger(__name__)
+
+USAGE = (
+    "usage: [torchrun --nproc_per_node=N] experiments/run_mntp.py CONFIG.json [--key value ...]\n"
+    "CONFIG.json: LM-stage fields (objective mntp | mdm | clm, data, masking, LoRA) and Hugging Face "
+    "TrainingArguments (see train_configs/mntp/, train_configs/tiny/mntp.json)."
+)
+
+
+@dataclass
+class LMStageArguments:
+    """What an LM stage trains, on which text, with which masking."""
+
+    model_name_or_path: str = field(metadata={"help": "Base checkpoint with its LM head (hub name or folder)."})
+    objective: str = field(default="mntp", metadata={"help": f"One of {tuple(OBJECTIVES)}."})
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training block."})
+    torch_dtype: str | None = field(default=None, metadata={"help": "Weights dtype; null = float32."})
+    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset (upstream: wikitext)."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its config (wikitext-103-raw-v1)."})
+    train_file: list[str] | None = field(default=None, metadata={"help": "Local .txt / .jsonl files (.gz ok)."})
+    text_column: str = field(default="text", metadata={"help": "Text field of the dataset or JSONL records."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N blocks."})
+    mlm_probability: float = field(default=0.2, metadata={"help": "MNTP: share of tokens masked."})
+    data_collator_type: str = field(default="default", metadata={"help": f"MNTP: one of {MNTP_COLLATORS}."})
+    mask_token_type: str = field(
+        default="blank", metadata={"help": f"Mask token when the tokenizer has none: one of {MASK_TOKEN_TYPES}."}
+    )
+    mdm_eps: float = field(default=1e-3, metadata={"help": "MDM: mask ratio t ~ U(eps, 1)."})
+    mdm_shift: bool = field(default=True, metadata={"help": "MDM: predict i from i-1 (Dream) or from i (LLaDA)."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; None = 2 * lora_r (upstream)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LORA_TARGETS), metadata={"help": "Projections that get LoRA."}
+    )
+    full_training: bool = field(default=False, metadata={"help": "Train every weight, no LoRA (small models)."})
+    stop_after_n_steps: int | None = field(default=None, metadata={"help": "Stop (and checkpoint) after N steps."})
+    experiment_id: str | None = field(default=None, metadata={"help": "Run folder name; None = derived id."})
+
+
+LM_STAGE = StageSchema(
+    classes=(LMStageArguments, TrainingArguments),
+    choices={
+        "objective": tuple(OBJECTIVES),
+        "data_collator_type": MNTP_COLLATORS,
+        "mask_token_type": MASK_TOKEN_TYPES,
+        "torch_dtype": (None, *TORCH_DTYPES),
+    },
+    ranges={"mlm_probability": ((0, False), (1, True)), "mdm_eps": ((0, False), (1, False))},
+)
+
+
+def experiment_id(args: LMStageArguments, t: TrainingArguments) -> str:
+    model = args.model_name_or_path.rstrip("/").split("/")[-1]
+    global_batch = t.per_device_train_batch_size * t.world_size * t.gradient_accumulation_steps
+    return f"{model}-{args.objective}_b-{global_batch}_l-{args.max_seq_length}_s-{t.seed}_lr-{t.learning_rate}"
+
+
+class AdaptedLM(nn.Module):
+    """A model with its LM head in training; ``forward`` gives logits, ``save`` writes the -mntp layout."""
+
+    def __init__(self, lm: nn.Module, tokenizer, base: str, base_config: dict[str, Any], full: bool):
+        super().__init__()
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.base = base
+        self.base_config = base_config
+        self.full = full
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        if self.full:
+            self.lm.save_pretrained(folder, safe_serialization=True)
+        else:
+            self.lm.model.save_pretrained(folder)  # the inner model's adapter, as LLM2Vec's save_peft_model
+        config = {**self.base_config, "_name_or_path": self.base}  # the base's own format (Dream stays Dream)
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        for stale in ("generation_config.json",):
+            if os.path.isfile(os.path.join(folder, stale)):
+                os.remove(os.path.join(folder, stale))
+        self.tokenizer.save_pretrained(folder)
+
+
+def build_model(args: LMStageArguments, objective: Objective, t: TrainingArguments) -> AdaptedLM:
+    """The base with its LM head, attention set for the objective, LoRA on the inner model (or all weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = (
+        os.path.abspath(args.model_name_or_path) if os.path.isdir(args.model_name_or_path) else args.model_name_or_path
+    )
+    lm = backbones.load_backbone(
+        base,
+        enable_bidirectional=objective.bidirectional,
+        torch_dtype=args.torch_dtype,
+        attn_implementation=args.attn_implementation,
+        lm_head=True,
+    )
+    tokenizer = backbones.load_tokenizer(base)
+    if not args.full_training:
+        lora = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+            lora_dropout=args.lora_dropout,
+            target_modules=list(args.lora_target_modules),
+            bias="none",
+            task_type=None,
+        )
+        lm.model = get_peft_model(lm.model, lora)
+        lm.get_output_embeddings().weight.requires_grad_(False)  # the output is the adapter alone
+        for config in lm.model.peft_config.values():
+            config.base_model_name_or_path = base
+    if t.activation_checkpointing:
+        kwargs = {"use_reentrant": False, **(t.activation_checkpointing_kwargs or {})}
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        t.activation_checkpointing = t.gradient_checkpointing = False  # done here, on the inner model
+    trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+    logger.info("Trainable parameters: %d of %d", trainable, sum(p.numel() for p in lm.parameters()))
+    return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training)
+
+
+def stack_blocks(blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The collator: blocks as one tensor. Masking happens in the training step, from the global RNG,
+    which a resumed run restores; the data loader's read-ahead would otherwise draw masks early."""
+    return {"input_ids": torch.stack(blocks)}
+
+
+class LMStageTrainer(RunTrainer):
+    """``RunTrainer`` whose loss is the stage objective's, on the logits of the masked blocks."""
+
+    def __init__(self, *args, objective: Objective, options: ObjectiveOptions, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.objective = objective
+        self.options = options
+        self.masker = objective.masker(options)
+
+    def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
+        """The blocks were shuffled with the seed when read: a resumed run replays the same order."""
+        return torch.utils.data.SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False, **kwargs):
+        batch = self.masker(inputs["input_ids"], inputs.get("attention_mask"))
+        logits = model(batch.input_ids, batch.attention_mask)
+        loss = self.objective.loss(logits, batch, self.options)
+        self.check_finite(loss)
+        return (loss, logits) if return_outputs else loss
+
+
+def objective_options(args: LMStageArguments, model: AdaptedLM) -> ObjectiveOptions:
+    tokenizer = model.tokenizer
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if args.objective != "mdm" or mask_id is None:  # Dream/LLaDA's mask token is in config.json
+        mask_id = mask_token_for(tokenizer, args.mask_token_type)
+    specials = set(tokenizer.all_special_ids) if args.objective == "mntp" else set()  # as HF's MLM collator
+    return ObjectiveOptions(
+        mask_token_id=mask_id,
+        vocab_size=model.config.vocab_size,
+        mlm_probability=args.mlm_probability,
+        mntp_collator=args.data_collator_type,
+        mdm_eps=args.mdm_eps,
+        mdm_shift=args.mdm_shift,
+        special_ids=tuple(sorted(specials)),
+    )
+
+
+def train(values: dict[str, Any], source: str = "config") -> str:
+    """Run one LM stage from validated values; returns the run folder (its root holds the final output)."""
+    args, t = LM_STAGE.validate(values, source)
+    if bool(args.dataset_name) == bool(args.train_file):
+        raise ConfigError(
+            f"Invalid {source}: give either dataset_name (hub) or train_file (local), not both or neither"
+        )
+    set_seed(t.seed)
+    t.output_dir = os.path.join(t.output_dir, args.experiment_id or experiment_id(args, t))
+    resume = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
+
+    objective = OBJECTIVES[args.objective]
+    model = build_model(args, objective, t)
+    dataset = load_text_blocks(
+        model.tokenizer, texts, args.max_seq_length, seed=t.seed, max_blocks=args.max_train_samples
+    )
+    options = objective_options(args, model)
+    trainer = LMStageTrainer(
+        model=model,
+        args=t,
+        train_dataset=dataset,
+        data_collator=stack_blocks,
+        objective=objective,
+        options=options,
+        run_config=dict(values),
+    )
+    if args.stop_after_n_steps is not None:
+        trainer.add_callback(StopAfterNStepsCallback(args.stop_after_n_steps))
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(t.output_dir)
+    finally:
+        del trainer  # DDP's reducer must go before the process group
+        gc.collect()
+    return t.output_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: exit status 0 on success, 2 for a bad config, 1 for a diverged run."""
+    logging.basicConfig(
+        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        values = read_config_values(argv[0], argv[1:], LM_STAGE.classes)
+        train(values, source=f"config {argv[0]}")
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
+    except NonFiniteLossError as err:
+        logger.error("%s", err)
+        return 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

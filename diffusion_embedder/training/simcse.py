@@ -1,0 +1,68 @@
+"""Unsupervised SimCSE: ``torchrun --nproc_per_node=N experiments/run_simcse.py CONFIG.json [--key value ...]``.
+
+A supervised run whose positive is the query's own text seen through different dropout: each text is
+encoded twice (query and positive columns, separate forward passes, so separate dropout masks) and
+``HardNegativeNLLLoss`` without hard negatives is the in-batch InfoNCE. ``simcse_dropout`` is the
+backbone's attention dropout (upstream's ``simcse_dropout``, 0.3). It usually continues from a merged
+MNTP folder (``model_name_or_path: MNTP_OUTPUT``) with a fresh LoRA; name the run folder with
+"simcse" so a later supervised run continues its adapter (upstream's rule).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch.distributed as dist
+
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, read_config_values, validate
+from diffusion_embedder.training.run import train
+from diffusion_embedder.training.trainer import NonFiniteLossError
+
+logger = logging.getLogger(__name__)
+
+USAGE = (
+    "usage: [torchrun --nproc_per_node=N] experiments/run_simcse.py CONFIG.json [--key value ...]\n"
+    "CONFIG.json: the supervised fields plus simcse_dropout (see train_configs/simcse/, train_configs/tiny/)."
+)
+#: What makes a supervised config a SimCSE one, unless the config says otherwise.
+SIMCSE_DEFAULTS = {"dataset_name": "Wiki1M", "loss_class": "HardNegativeNLLLoss", "num_negatives": 0}
+
+
+def check_simcse(cfg, source: str) -> None:
+    """The two views must differ (dropout) and the loss must be the in-batch InfoNCE."""
+    problems = []
+    if not cfg.custom.simcse_dropout:
+        problems.append(
+            f"simcse_dropout: must be > 0 (the two views differ only by dropout), got {cfg.custom.simcse_dropout}"
+        )
+    if cfg.custom.loss_class != "HardNegativeNLLLoss":
+        problems.append(f"loss_class: SimCSE uses HardNegativeNLLLoss, got {cfg.custom.loss_class!r}")
+    if problems:
+        raise ConfigError(f"Invalid SimCSE {source}:\n  - " + "\n  - ".join(problems))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: exit status 0 on success, 2 for a bad config, 1 for a diverged run."""
+    logging.basicConfig(
+        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
+    )
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    try:
+        values = {**SIMCSE_DEFAULTS, **read_config_values(argv[0], argv[1:], ARGUMENT_CLASSES)}
+        cfg = validate(values, source=f"config {argv[0]}")
+        check_simcse(cfg, f"config {argv[0]}")
+        train(cfg)
+    except ConfigError as err:
+        logger.error("%s", err)
+        return 2
+    except NonFiniteLossError as err:
+        logger.error("%s", err)
+        return 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
