@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from diffusion_embedder.training import run as run_module
-from diffusion_embedder.training.arguments import ConfigError, load_config, parse_overrides, validate
+from diffusion_embedder.training.arguments import (
+    ConfigError,
+    load_config,
+    parse_overrides,
+    read_config_values,
+    validate,
+)
 from diffusion_embedder.training.run import experiment_id
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +131,21 @@ def test_experiment_id_matches_upstream_pattern():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("*/*.json")), ids=lambda p: p.stem)
 def test_shipped_configs_validate(path):
-    cfg = load_config(path, ["--bf16", "false"])  # bf16 is refused on a CPU without bf16 support
+    from diffusion_embedder.training import pretrain, simcse
+
+    overrides = ["--bf16", "false"]  # bf16 is refused on a CPU without bf16 support
+    if path.parent.name in ("mntp", "mdm") or path.stem in ("mntp", "mdm"):
+        _, training = pretrain.LM_STAGE.validate(
+            pretrain.read_config_values(path, overrides, pretrain.LM_STAGE.classes)
+        )
+        assert training.output_dir
+        return
+    if "simcse" in (path.parent.name, path.stem):
+        cfg = validate({**simcse.SIMCSE_DEFAULTS, **read_config_values(path, overrides)})
+        simcse.check_simcse(cfg, str(path))
+        assert cfg.data.dataset_name == "Wiki1M" and cfg.custom.simcse_dropout == 0.3
+        return
+    cfg = load_config(path, overrides)
     assert cfg.training.output_dir
 
 
