@@ -200,9 +200,12 @@ def read_json_file(path: str) -> dict:
 
 def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
     """config.json as plain JSON: safe for remote-code checkpoints (Dream), local folder or hub name."""
-    path = find_file(name_or_path, "config.json", **hub_kwargs)
-    if path is None:
-        raise FileNotFoundError(f"No config.json in {name_or_path!r}: a checkpoint folder needs one.")
+    if os.path.isdir(name_or_path):
+        path = os.path.join(name_or_path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"No config.json in {name_or_path!r}: a checkpoint folder needs one.")
+    else:  # the hub's own error says why (not found, gated, offline)
+        path = cached_file(name_or_path, "config.json", **hub_kwargs)
     return read_json_file(path)
 
 
