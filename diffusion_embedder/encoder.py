@@ -24,6 +24,8 @@ from diffusion_embedder import backbones
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.backbones import find_file
 from diffusion_embedder.pooling import LatentAttentionPooling, check_pooling_mode, pool
+from diffusion_embedder.quantization import check_precision, quantize_embeddings
+from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
     KNOWN_SETTINGS,
     TextInput,
@@ -64,6 +66,10 @@ class EncoderConfig:
     latent_num_heads: int = 8
     #: Adapters merged into the base before this checkpoint's own adapter (e.g. LLM2Vec's MNTP).
     merged_adapters: list[str] = field(default_factory=list)
+    #: Named instructions: ``encode(texts, prompt_name="query")`` is ``encode([[prompts["query"], t] ...])``.
+    prompts: dict[str, str] = field(default_factory=dict)
+    #: What ``similarity`` computes: cosine, dot, euclidean or manhattan (sentence-transformers' names).
+    similarity_fn_name: str = "cosine"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +120,7 @@ class Encoder(nn.Module):
         self.config = config
         check_pooling_mode(config.pooling_mode)
         self._mask_readout_ids()  # refuse mask_token pooling on a backbone without a mask token, now
+        check_similarity_fn_name(config.similarity_fn_name)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
@@ -122,6 +129,8 @@ class Encoder(nn.Module):
                 self.embedding_dim, config.latent_num_latents, config.latent_num_heads
             ).to(self.device)
         self.latent = latent
+        #: Keep only the first ``truncate_dim`` dimensions of every embedding (Matryoshka-style); None keeps all.
+        self.truncate_dim: int | None = None
         self._pool_workers = None
 
     # ------------------------------------------------------------------ loading
@@ -141,6 +150,8 @@ class Encoder(nn.Module):
         device: str | torch.device | None = None,
         prompt_template: str | None = None,
         mask_readout_tokens: int | None = None,
+        prompts: dict[str, str] | None = None,
+        similarity_fn_name: str | None = None,
         **kwargs,
     ) -> Encoder:
         """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder.
@@ -171,6 +182,8 @@ class Encoder(nn.Module):
             "skip_instruction": skip_instruction,
             "prompt_template": prompt_template,
             "mask_readout_tokens": mask_readout_tokens,
+            "prompts": prompts,
+            "similarity_fn_name": similarity_fn_name,
         }
         for key, value in explicit.items():
             if value is not None:
@@ -376,13 +389,25 @@ class Encoder(nn.Module):
         show_progress_bar: bool = True,
         convert_to_numpy: bool = False,
         convert_to_tensor: bool = False,
-        normalize_embeddings: bool = False,
         device: str | torch.device | Sequence[str] | None = None,
-        max_tokens_per_batch: int | None = None,
         *,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+        precision: str = "float32",
+        max_tokens_per_batch: int | None = None,
         packing: str | bool = "auto",
     ) -> torch.Tensor | np.ndarray:
-        """Embed strings or ``[instruction, text]`` pairs; float32, in input order.
+        """Embed strings or ``[instruction, text]`` pairs, in input order.
+
+        Returns a float32 ``torch.Tensor`` (LLM2Vec's default; a numpy array with ``convert_to_numpy``);
+        a single string gives a 1-D vector. ``prompt`` (or ``prompt_name``, a key of ``config.prompts``)
+        is the instruction of every plain-string input: ``encode(texts, prompt=p)`` equals
+        ``encode([[p, t] for t in texts])``. Then, as in sentence-transformers: the first ``truncate_dim``
+        dimensions are kept (default ``self.truncate_dim``), vectors are L2-normalized with
+        ``normalize_embeddings``, and ``precision`` (int8, uint8, binary, ubinary) quantizes them with
+        buckets from this call's embeddings.
 
         Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
         (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
@@ -390,10 +415,15 @@ class Encoder(nn.Module):
         texts, at most ``max_tokens_per_batch`` tokens (default per device in
         ``packing.DEFAULT_PACK_LENGTH``; ``batch_size`` is then unused); the embeddings are the same.
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
-        (done automatically when several GPUs are visible). A single string returns a 1-D vector.
+        (done automatically when several GPUs are visible).
         """
+        check_precision(precision)
         single = isinstance(sentences, str)
-        items = parse_inputs([sentences] if single else sentences)
+        inputs = [sentences] if single else list(sentences)
+        prompt = self._resolve_prompt(prompt, prompt_name)
+        if prompt is not None:
+            inputs = [self._with_prompt(item, prompt, i) for i, item in enumerate(inputs)]
+        items = parse_inputs(inputs)
         if not items:
             out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         else:
@@ -415,13 +445,76 @@ class Encoder(nn.Module):
                 out = self._encode_on_pool(tokenized, batches, devices, show_progress_bar, collate)
             else:
                 out = self._encode_local(tokenized, batches, devices[0], show_progress_bar, collate)
+        truncate_dim = truncate_dim if truncate_dim is not None else self.truncate_dim
+        if truncate_dim is not None:
+            out = out[:, :truncate_dim]
         if normalize_embeddings:
             out = torch.nn.functional.normalize(out, dim=-1)
+        if precision != "float32" and len(out):
+            out = torch.from_numpy(quantize_embeddings(out.numpy(), precision))
         if single:
             out = out[0]
         if convert_to_numpy and not convert_to_tensor:
             return out.numpy()
         return out
+
+    def _resolve_prompt(self, prompt: str | None, prompt_name: str | None) -> str | None:
+        if prompt is not None and prompt_name is not None:
+            raise ValueError("Pass either prompt or prompt_name, not both.")
+        if prompt_name is None:
+            return prompt
+        if prompt_name not in self.config.prompts:
+            raise ValueError(
+                f"Unknown prompt_name {prompt_name!r}; this encoder's prompts are {sorted(self.config.prompts)} "
+                "(set them with Encoder.from_pretrained(..., prompts={...}))."
+            )
+        return self.config.prompts[prompt_name]
+
+    @staticmethod
+    def _with_prompt(item: object, prompt: str, index: int) -> list[str]:
+        if not isinstance(item, str):
+            raise ValueError(
+                f"Input {index} already carries an instruction; a prompt applies to plain-string inputs only."
+            )
+        return [prompt, item]
+
+    def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
+        """``encode`` with the ``query`` prompt (when the encoder has one and no other prompt is given)."""
+        return self._encode_role("query", sentences, *args, **kwargs)
+
+    def encode_document(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
+        """``encode`` with the ``document`` prompt (when the encoder has one and no other prompt is given)."""
+        return self._encode_role("document", sentences, *args, **kwargs)
+
+    def _encode_role(self, role: str, sentences, *args, **kwargs):
+        if kwargs.get("prompt") is None and kwargs.get("prompt_name") is None and role in self.config.prompts:
+            kwargs["prompt_name"] = role
+        return self.encode(sentences, *args, **kwargs)
+
+    def similarity(self, embeddings1, embeddings2) -> torch.Tensor:
+        """(n x m) scores between two sets of embeddings with ``config.similarity_fn_name``."""
+        return SIMILARITY_FUNCTIONS[self.config.similarity_fn_name](embeddings1, embeddings2)
+
+    @property
+    def similarity_fn_name(self) -> str:
+        return self.config.similarity_fn_name
+
+    @similarity_fn_name.setter
+    def similarity_fn_name(self, value: str) -> None:
+        self.config.similarity_fn_name = check_similarity_fn_name(value)
+
+    def get_sentence_embedding_dimension(self) -> int:
+        """Length of the vectors ``encode`` returns (``truncate_dim`` when set)."""
+        return min(self.embedding_dim, self.truncate_dim or self.embedding_dim)
+
+    @property
+    def max_seq_length(self) -> int:
+        """sentence-transformers' name for ``config.max_length`` (tokens per input, instruction included)."""
+        return self.config.max_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        self.config.max_length = value
 
     def _encode_local(self, tokenized, batches, device, show_progress_bar, collate) -> torch.Tensor:
         if device is not None and torch.device(device) != self.device:
@@ -466,18 +559,26 @@ class Encoder(nn.Module):
         return state
 
     # ------------------------------------------------------------------ saving
-    def save(self, output_path: str, merge_before_save: bool = False) -> None:
-        """Write an encoder folder: weights or adapter (safetensors), tokenizer, LLM2Vec and encoder configs.
+    def save(self, output_path: str, merge_before_save: bool = False, *, format: str = "encoder") -> None:
+        """Write an encoder folder: weights or adapter (safetensors), tokenizer, configs and a model card.
 
         With ``merge_before_save`` a LoRA adapter is merged into the weights first (the encoder then
-        holds the merged model).
+        holds the merged model). ``format="sentence-transformers"`` also makes the folder a
+        sentence-transformers model (merged; see ``diffusion_embedder.export``).
         """
+        if format != "encoder":
+            from diffusion_embedder.export import export
+
+            export(self, output_path, format)
+            return
         os.makedirs(output_path, exist_ok=True)
         config = EncoderConfig.from_dict(self.config.to_dict())
         if merge_before_save and hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
         self.model.save_pretrained(output_path, safe_serialization=True)
-        if not hasattr(self.model, "peft_config"):
+        if hasattr(self.model, "peft_config"):
+            _describe_adapter(os.path.join(output_path, "adapter_config.json"), config.base_model_name_or_path)
+        else:
             config.merged_adapters = []
         self.tokenizer.save_pretrained(output_path)
         if self.latent is not None:
@@ -487,7 +588,20 @@ class Encoder(nn.Module):
             json.dump({k: getattr(config, k) for k in LLM2VEC_KEYS}, f, indent=2)
         with open(os.path.join(output_path, ENCODER_CONFIG), "w", encoding="utf-8") as f:
             json.dump(config.to_dict(), f, indent=2)
+        from diffusion_embedder.export import write_model_card
+
+        write_model_card(self, output_path)
         logger.info("Saved encoder to %s", output_path)
+
+
+def _describe_adapter(path: str, base_model_name_or_path: str) -> None:
+    """Name the base as it was loaded (not a resolved cache path) and mark the adapter as an embedding model's."""
+    adapter = _read_json(path)
+    if base_model_name_or_path:
+        adapter["base_model_name_or_path"] = base_model_name_or_path
+    adapter["task_type"] = "FEATURE_EXTRACTION"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(adapter, f, indent=2)
 
 
 LLM2Vec = Encoder

@@ -1,0 +1,196 @@
+"""sentence-transformers export: round trips to 1e-5, attention that survives loading, refusals, model cards, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import DREAM_FIXTURE, LLAMA_FIXTURE
+from peft import LoraConfig, get_peft_model
+from safetensors import safe_open
+from sentence_transformers import SentenceTransformer
+from transformers import AutoTokenizer
+
+from diffusion_embedder import Encoder
+from diffusion_embedder.cli import main as cli_main
+from diffusion_embedder.export import ENCODER_MODULE, ST_TRANSFORMER, save_sentence_transformers
+from diffusion_embedder.pooling import POOLING_MODES
+
+PROMPTS = {"query": "Given a math problem, retrieve the relevant theorem", "document": "  Represent the proof  "}
+TEXTS = [
+    "A triangle has sides 3, 4 and 5. Find its area.",
+    "short",
+    " leading space and a second clause",
+    "(parenthesis first) then words",
+    "Two pointers sweep the array from both ends, meeting in the middle of it all.",
+]
+FIXTURES = {"llama": LLAMA_FIXTURE, "Dream": DREAM_FIXTURE}
+#: Settings sentence-transformers' Transformer + Pooling compute exactly (the rest need our module).
+STOCK = {("mean", False), ("weighted_mean", False), ("bos_token", False), ("bos_token", True)}
+
+
+def load_st(path, **kwargs) -> SentenceTransformer:
+    custom = json.loads((path / "modules.json").read_text())[0]["type"] == ENCODER_MODULE
+    return SentenceTransformer(str(path), device="cpu", trust_remote_code=custom, **kwargs)
+
+
+def max_diff(a, b) -> float:
+    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
+
+
+#: mask_token pooling needs a mask token: Dream has one, the Llama fixture doesn't.
+CASES = [(family, mode) for family in FIXTURES for mode in POOLING_MODES if family == "Dream" or mode != "mask_token"]
+
+
+@pytest.mark.parametrize("skip_instruction", [False, True], ids=["all_tokens", "skip_instruction"])
+@pytest.mark.parametrize(("family", "pooling_mode"), CASES)
+def test_round_trip(tmp_path, family, pooling_mode, skip_instruction):
+    """SentenceTransformer(folder) gives Encoder.encode's vectors, plain and with each prompt (query, document)."""
+    encoder = Encoder.from_pretrained(
+        str(FIXTURES[family]),
+        pooling_mode=pooling_mode,
+        skip_instruction=skip_instruction,
+        max_length=128,
+        doc_max_length=128,
+        prompts=PROMPTS,
+        device="cpu",
+    )
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    module = json.loads((tmp_path / "modules.json").read_text())[0]["type"]
+    assert module == (ST_TRANSFORMER if (pooling_mode, skip_instruction) in STOCK else ENCODER_MODULE)
+    model = load_st(tmp_path)
+    assert max_diff(model.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    for name, instruction in PROMPTS.items():
+        ours = encoder.encode(TEXTS, prompt_name=name, show_progress_bar=False)
+        assert max_diff(ours, encoder.encode([[instruction, t] for t in TEXTS], show_progress_bar=False)) == 0
+        assert max_diff(model.encode(TEXTS, prompt_name=name), ours) < 1e-5, name
+    assert max_diff(model.encode_query(TEXTS), encoder.encode_query(TEXTS, show_progress_bar=False)) < 1e-5
+    assert max_diff(model.encode_document(TEXTS), encoder.encode_document(TEXTS, show_progress_bar=False)) < 1e-5
+    assert model.similarity_fn_name == "cosine"
+    assert model.get_embedding_dimension() == encoder.get_sentence_embedding_dimension() == 64
+
+
+def test_bidirectional_attention_survives_sentence_transformers_loading(tmp_path):
+    """config.json's is_causal: false is what makes the stock folder bidirectional: forcing it causal changes the
+    vectors, and then they equal our causal encoder's (on SDPA and eager attention alike)."""
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), skip_instruction=False, device="cpu")
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    assert json.loads((tmp_path / "config.json").read_text())["is_causal"] is False
+    ours = encoder.encode(TEXTS, show_progress_bar=False)
+    causal = Encoder.from_pretrained(str(LLAMA_FIXTURE), skip_instruction=False, enable_bidirectional=False)
+    ours_causal = causal.encode(TEXTS, show_progress_bar=False)
+    assert max_diff(ours, ours_causal) > 1e-2
+    for attn in ("sdpa", "eager"):
+        model = load_st(tmp_path, model_kwargs={"attn_implementation": attn})
+        assert max_diff(model.encode(TEXTS), ours) < 1e-5, attn
+        forced = load_st(tmp_path, model_kwargs={"attn_implementation": attn}, config_kwargs={"is_causal": True})
+        assert max_diff(forced.encode(TEXTS), ours) > 1e-2, attn
+        assert max_diff(forced.encode(TEXTS), ours_causal) < 1e-5, attn
+
+
+def test_dream_is_written_as_qwen2_and_loads_without_remote_code(tmp_path):
+    encoder = Encoder.from_pretrained(str(DREAM_FIXTURE), skip_instruction=False, device="cpu")
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["model_type"], config["architectures"], config["is_causal"]) == ("qwen2", ["Qwen2Model"], False)
+    assert "auto_map" not in config and "auto_map" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert not list(tmp_path.glob("*.py"))
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))  # no trust_remote_code
+    assert tokenizer("a b")["input_ids"] == encoder.tokenizer("a b")["input_ids"]
+    model = SentenceTransformer(str(tmp_path), device="cpu")
+    assert max_diff(model.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+
+
+def test_long_texts_with_prompts_are_cut_as_the_encoder_cuts_them(tmp_path):
+    """doc_max_length < max_length with prompts: the encoder keeps the instruction and cuts the text, so the export
+    uses our module (stock truncation would cut prompt and text together); plain texts fit max_seq_length."""
+    long = ["What is the capital of France? It is a city on the Seine " * 5, "word " * 40]
+    settings = dict(skip_instruction=False, max_length=64, doc_max_length=16, device="cpu")
+    for prompts, module in (({}, ST_TRANSFORMER), (PROMPTS, ENCODER_MODULE)):
+        encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), prompts=prompts, **settings)
+        folder = tmp_path / module
+        encoder.save(str(folder), format="sentence-transformers")
+        assert json.loads((folder / "modules.json").read_text())[0]["type"] == module
+        model = load_st(folder)
+        assert max_diff(model.encode(long), encoder.encode(long, show_progress_bar=False)) < 1e-5
+        if prompts:
+            ours = encoder.encode(long, prompt_name="query", show_progress_bar=False)
+            assert max_diff(model.encode(long, prompt_name="query"), ours) < 1e-5
+        else:
+            assert model.max_seq_length == 17  # 16 text tokens + BOS
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        (dict(pooling_mode="latent_attention", skip_instruction=False), "pooling_mode='latent_attention'"),
+        (dict(skip_instruction=False, prompt_template="<|user|>{text}<|end|>"), "prompt_template"),
+        (dict(pooling_mode="eos_token", skip_instruction=False), "eos_suffix=' </s>'"),
+        (dict(pooling_mode="mean", skip_instruction=True), "skip_instruction=True"),
+        (dict(skip_instruction=False, prompts=PROMPTS), "doc_max_length=400 < max_length=512"),
+    ],
+    ids=["latent", "template", "eos_suffix", "skip_instruction", "prompt_truncation"],
+)
+def test_stock_only_refuses_what_sentence_transformers_modules_cannot_express(tmp_path, settings, named):
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu", **settings)
+    with pytest.raises(ValueError, match="its own modules only") as error:
+        save_sentence_transformers(encoder, str(tmp_path / "out"), stock_only=True)
+    assert named in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_custom_module_folder_never_loads_silently_as_a_plain_model(tmp_path):
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")  # skip_instruction: our module
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    with pytest.raises(ValueError, match="diffusion_embedder.st_modules.EncoderModule"):
+        SentenceTransformer(str(tmp_path), device="cpu")
+    with pytest.raises(ValueError, match="Unknown export format 'onnx'"):
+        encoder.save(str(tmp_path / "x"), format="onnx")
+
+
+def test_adapter_folder_card_and_config(tmp_path):
+    """An adapter folder names its base as loaded, is a FEATURE_EXTRACTION adapter, carries our model card (not
+    peft's template), reloads to the same vectors, and exports merged to sentence-transformers."""
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    encoder.model = get_peft_model(encoder.model, lora)
+    before = encoder.encode(TEXTS, show_progress_bar=False)
+    encoder.save(str(tmp_path / "adapter"))
+    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(LLAMA_FIXTURE)
+    assert adapter["task_type"] == "FEATURE_EXTRACTION"
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "Model Card for Model ID" not in card
+    for loader in ("Encoder.from_pretrained", "SentenceTransformer", "LLM2Vec.from_pretrained", "PeftModel"):
+        assert loader in card, loader
+    assert f'peft_model_name_or_path="{tmp_path / "adapter"}"' in card
+    reloaded = Encoder.from_pretrained(str(tmp_path / "adapter"), device="cpu")
+    assert max_diff(reloaded.encode(TEXTS, show_progress_bar=False), before) < 1e-5
+
+    encoder.save(str(tmp_path / "st"), format="sentence-transformers")
+    assert not (tmp_path / "st" / "adapter_config.json").exists()
+    assert max_diff(load_st(tmp_path / "st").encode(TEXTS), before) < 1e-5
+    card = (tmp_path / "st" / "README.md").read_text()
+    assert "trust_remote_code=True" in card and "library_name: sentence-transformers" in card
+
+
+def test_cli_export(tmp_path, capsys):
+    """diffusion-embedder export CHECKPOINT OUT: format, dtype and stock_only reach the export."""
+    source = tmp_path / "encoder"
+    Encoder.from_pretrained(str(LLAMA_FIXTURE), skip_instruction=False, device="cpu").save(str(source))
+    assert "Encoder.from_pretrained" in (source / "README.md").read_text()
+    out = tmp_path / "st"
+    assert cli_main(["export", str(source), str(out), "--format", "sentence-transformers"]) == 0
+    encoder = Encoder.from_pretrained(str(source), device="cpu")
+    assert max_diff(load_st(out).encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+
+    assert cli_main(["export", str(source), str(tmp_path / "bf16"), "--torch_dtype", "bfloat16"]) == 0
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.bfloat16
+
+    latent = tmp_path / "latent"
+    Encoder.from_pretrained(str(LLAMA_FIXTURE), pooling_mode="latent_attention", device="cpu").save(str(latent))
+    assert cli_main(["export", str(latent), str(tmp_path / "refused"), "--stock_only"]) == 2
+    assert "pooling_mode='latent_attention'" in capsys.readouterr().out
+    assert not (tmp_path / "refused").exists()
