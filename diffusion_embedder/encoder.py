@@ -31,6 +31,7 @@ from diffusion_embedder.templates import (
     TextInput,
     default_template,
     eos_suffix_for,
+    parse_input,
     parse_inputs,
     placeholder_token,
     render,
@@ -419,11 +420,10 @@ class Encoder(nn.Module):
         """
         check_precision(precision)
         single = isinstance(sentences, str)
-        inputs = [sentences] if single else list(sentences)
+        items = parse_inputs([sentences] if single else sentences)
         prompt = self._resolve_prompt(prompt, prompt_name)
         if prompt is not None:
-            inputs = [self._with_prompt(item, prompt, i) for i, item in enumerate(inputs)]
-        items = parse_inputs(inputs)
+            items = [self._with_prompt(item, prompt, i) for i, item in enumerate(items)]
         if not items:
             out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         else:
@@ -471,12 +471,12 @@ class Encoder(nn.Module):
         return self.config.prompts[prompt_name]
 
     @staticmethod
-    def _with_prompt(item: object, prompt: str, index: int) -> list[str]:
-        if not isinstance(item, str):
+    def _with_prompt(item: TextInput, prompt: str, index: int) -> TextInput:
+        if item.prefix:
             raise ValueError(
                 f"Input {index} already carries an instruction; a prompt applies to plain-string inputs only."
             )
-        return [prompt, item]
+        return parse_input([prompt, item.text], index)
 
     def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
         """``encode`` with the ``query`` prompt (when the encoder has one and no other prompt is given)."""
