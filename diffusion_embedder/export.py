@@ -177,7 +177,10 @@ def _settings_table(encoder: Encoder) -> str:
         ("base model", config.base_model_name_or_path or "(unknown)"),
         ("model type", config.model_type),
         ("attention", "bidirectional" if config.enable_bidirectional else "causal"),
-        ("pooling", config.pooling_mode),
+        ("pooling", config.pooling_mode + (
+            f" ({config.mask_readout_tokens} mask token(s) appended, their states averaged)"
+            if config.pooling_mode == "mask_token" else ""
+        )),
         ("max_length / doc_max_length", f"{config.max_length} / {config.doc_max_length} tokens"),
         ("skip_instruction", str(config.skip_instruction)),
         ("chat template", repr(config.prompt_template) if config.prompt_template else "none"),

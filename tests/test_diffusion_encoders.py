@@ -83,6 +83,7 @@ def test_mask_readout_fits_max_length_and_round_trips(tmp_path):
     encoder.save(str(tmp_path / "enc"))
     saved = json.loads((tmp_path / "enc" / "encoder_config.json").read_text())
     assert (saved["pooling_mode"], saved["mask_readout_tokens"]) == ("mask_token", 2)
+    assert "| pooling | mask_token (2 mask token(s) appended" in (tmp_path / "enc" / "README.md").read_text()
     reloaded = Encoder.from_pretrained(str(tmp_path / "enc"), device="cpu")
     assert reloaded.config.mask_readout_tokens == 2
     assert torch.equal(reloaded.encode(TEXTS, show_progress_bar=False), expected)
@@ -156,3 +157,17 @@ def test_llada_and_mask_readout_configs_keep_dreams_hyperparameters():
     assert {k: v for k, v in mask.items() if k not in ("pooling_mode", "mask_readout_tokens")} == {
         k: v for k, v in dream.items() if k != "pooling_mode"
     }
+
+
+@pytest.mark.parametrize("pooling_mode", ["mean", "mask_token"])
+def test_llada_sentence_transformers_export(tmp_path, pooling_mode):
+    """A LLaDA encoder exports (stock modules for mean pooling, ours for the readout) and gives the same vectors."""
+    from test_export_st import load_st
+
+    encoder = Encoder.from_pretrained(
+        str(LLADA_FIXTURE), pooling_mode=pooling_mode, mask_readout_tokens=2, skip_instruction=False, device="cpu"
+    )
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    texts = [t if isinstance(t, str) else t[1] for t in TEXTS]
+    got = torch.as_tensor(load_st(tmp_path).encode(texts))
+    assert torch.allclose(got, encoder.encode(texts, show_progress_bar=False), atol=1e-5, rtol=0)
