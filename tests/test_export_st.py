@@ -149,6 +149,19 @@ def test_custom_module_folder_never_loads_silently_as_a_plain_model(tmp_path):
         encoder.save(str(tmp_path / "x"), format="onnx")
 
 
+def test_custom_module_takes_model_kwargs_and_saves_again(tmp_path):
+    """sentence-transformers' model_kwargs (dtype, attention) reach our module, and its own save() round-trips."""
+    encoder = Encoder.from_pretrained(str(DREAM_FIXTURE), pooling_mode="mask_token", device="cpu")
+    encoder.save(str(tmp_path / "a"), format="sentence-transformers")
+    half = load_st(tmp_path / "a", model_kwargs={"torch_dtype": torch.bfloat16, "attn_implementation": "eager"})
+    assert half[0].encoder.model.dtype == torch.bfloat16
+    assert half[0].encoder.model.config._attn_implementation == "eager"
+    model = load_st(tmp_path / "a")
+    model.save(str(tmp_path / "b"))
+    again = load_st(tmp_path / "b")
+    assert max_diff(again.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+
+
 def test_adapter_folder_card_and_config(tmp_path):
     """An adapter folder names its base as loaded, is a FEATURE_EXTRACTION adapter, carries our model card (not
     peft's template), reloads to the same vectors, and exports merged to sentence-transformers."""
