@@ -193,6 +193,19 @@ def _settings_table(encoder: Encoder) -> str:
     return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+def _base_loading(model_type: str, base: str) -> str:
+    """How to load the bare base model for peft: Dream and LLaDA need our loader (their releases are remote code)."""
+    if model_type in ("Dream", "llada"):
+        return (
+            "from diffusion_embedder import load_backbone\n\n"
+            f'base = load_backbone("{base}")  # bidirectional; {model_type} ships remote code, this needs none\n'
+        )
+    return (
+        "from transformers import AutoModel\n\n"
+        f'base = AutoModel.from_pretrained("{base}")\nbase.config.is_causal = False  # bidirectional\n'
+    )
+
+
 def model_card(encoder: Encoder, path: str, sentence_transformers: str | None = None) -> str:
     """README.md text: what the folder is and how to load it with each library that can."""
     config = encoder.config
@@ -253,9 +266,9 @@ def model_card(encoder: Encoder, path: str, sentence_transformers: str | None = 
             else ""
         )
         sections.append(
-            "## peft\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModel\n\n"
-            f'base = AutoModel.from_pretrained("{base}")\nbase.config.is_causal = False  # bidirectional\n'
-            f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
+            "## peft\n\n```python\nfrom peft import PeftModel\n"
+            + _base_loading(config.model_type, base)
+            + f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
             "This gives token states; pooling and the input format are the settings above." + merged
         )
     else:

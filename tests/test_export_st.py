@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -162,23 +163,32 @@ def test_custom_module_takes_model_kwargs_and_saves_again(tmp_path):
     assert max_diff(again.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
 
 
-def test_adapter_folder_card_and_config(tmp_path):
+@pytest.mark.parametrize("family", FIXTURES)
+def test_adapter_folder_card_and_config(tmp_path, family):
     """An adapter folder names its base as loaded, is a FEATURE_EXTRACTION adapter, carries our model card (not
-    peft's template), reloads to the same vectors, and exports merged to sentence-transformers."""
-    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
+    peft's template) whose peft recipe runs and gives the encoder's token states, reloads to the same vectors,
+    and exports merged to sentence-transformers."""
+    encoder = Encoder.from_pretrained(str(FIXTURES[family]), device="cpu")
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     encoder.model = get_peft_model(encoder.model, lora)
     before = encoder.encode(TEXTS, show_progress_bar=False)
-    encoder.save(str(tmp_path / "adapter"))
-    adapter = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == str(LLAMA_FIXTURE)
+    folder = tmp_path / "adapter"
+    encoder.save(str(folder))
+    adapter = json.loads((folder / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(FIXTURES[family])
     assert adapter["task_type"] == "FEATURE_EXTRACTION"
-    card = (tmp_path / "adapter" / "README.md").read_text()
+    card = (folder / "README.md").read_text()
     assert "Model Card for Model ID" not in card
     for loader in ("Encoder.from_pretrained", "SentenceTransformer", "LLM2Vec.from_pretrained", "PeftModel"):
         assert loader in card, loader
-    assert f'peft_model_name_or_path="{tmp_path / "adapter"}"' in card
-    reloaded = Encoder.from_pretrained(str(tmp_path / "adapter"), device="cpu")
+    assert f'peft_model_name_or_path="{folder}"' in card
+    recipe = {}
+    exec(re.search(r"## peft\n\n```python\n(.*?)```", card, re.S).group(1), recipe)  # the card's peft recipe
+    ids = torch.tensor([[5, 9, 12, 40, 7, 3]])
+    with torch.no_grad():
+        expected = encoder.model(input_ids=ids).last_hidden_state
+        assert max_diff(recipe["model"](input_ids=ids).last_hidden_state, expected) < 1e-5
+    reloaded = Encoder.from_pretrained(str(folder), device="cpu")
     assert max_diff(reloaded.encode(TEXTS, show_progress_bar=False), before) < 1e-5
 
     encoder.save(str(tmp_path / "st"), format="sentence-transformers")
