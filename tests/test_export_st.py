@@ -88,6 +88,9 @@ def test_bidirectional_attention_survives_sentence_transformers_loading(tmp_path
         forced = load_st(tmp_path, model_kwargs={"attn_implementation": attn}, config_kwargs={"is_causal": True})
         assert max_diff(forced.encode(TEXTS), ours) > 1e-2, attn
         assert max_diff(forced.encode(TEXTS), ours_causal) < 1e-5, attn
+    causal.save(str(tmp_path / "causal"), format="sentence-transformers")  # the attention ablation exports too
+    assert json.loads((tmp_path / "causal" / "config.json").read_text())["is_causal"] is True
+    assert max_diff(load_st(tmp_path / "causal").encode(TEXTS), ours_causal) < 1e-5
 
 
 def test_dream_is_written_as_qwen2_and_loads_without_remote_code(tmp_path):
