@@ -501,7 +501,7 @@ class Encoder(nn.Module):
 
     @similarity_fn_name.setter
     def similarity_fn_name(self, value: str) -> None:
-        self.config.similarity_fn_name = check_similarity_fn_name(value)
+        self.config = replace(self.config, similarity_fn_name=check_similarity_fn_name(value))
 
     def get_sentence_embedding_dimension(self) -> int:
         """Length of the vectors ``encode`` returns (``truncate_dim`` when set)."""
@@ -514,7 +514,7 @@ class Encoder(nn.Module):
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
-        self.config.max_length = value
+        self.config = replace(self.config, max_length=value)
 
     def _encode_local(self, tokenized, batches, device, show_progress_bar, collate) -> torch.Tensor:
         if device is not None and torch.device(device) != self.device:

@@ -37,7 +37,7 @@ class EncoderModule(InputModule):
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
-        self.encoder.config.max_length = value
+        self.encoder.max_seq_length = value
 
     def get_embedding_dimension(self) -> int:
         return self.encoder.embedding_dim

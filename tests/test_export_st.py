@@ -164,6 +164,9 @@ def test_custom_module_takes_model_kwargs_and_saves_again(tmp_path):
     model.save(str(tmp_path / "b"))
     again = load_st(tmp_path / "b")
     assert max_diff(again.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    again.max_seq_length = 8  # sentence-transformers' setter reaches the encoder's max_length
+    short = Encoder.from_pretrained(str(DREAM_FIXTURE), pooling_mode="mask_token", max_length=8, device="cpu")
+    assert max_diff(again.encode(TEXTS), short.encode(TEXTS, show_progress_bar=False)) < 1e-5
 
 
 @pytest.mark.parametrize("family", FIXTURES)
