@@ -122,8 +122,10 @@ def final_training_loss(run_dir: Path) -> float:
     states = sorted(run_dir.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not states:
         raise FileNotFoundError(f"{run_dir} has no checkpoint with a trainer_state.json")
-    history = json.loads(states[-1].read_text())["log_history"]
-    return [entry["loss"] for entry in history if "loss" in entry][-1]
+    losses = [entry["loss"] for entry in json.loads(states[-1].read_text())["log_history"] if "loss" in entry]
+    if not losses:
+        raise ValueError(f"{states[-1]} logged no training loss (logging_steps larger than the run)")
+    return losses[-1]
 
 
 def chance_loss(config: Path, nproc: int) -> float:

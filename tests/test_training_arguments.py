@@ -134,7 +134,7 @@ def test_shipped_configs_validate(path):
     from diffusion_embedder.training import pretrain, simcse
 
     overrides = ["--bf16", "false"]  # bf16 is refused on a CPU without bf16 support
-    if path.parent.name in ("mntp", "mdm") or path.stem in ("mntp", "mdm"):
+    if path.parent.name in ("mntp", "mdm", "study") or path.stem in ("mntp", "mdm"):
         _, training = pretrain.LM_STAGE.validate(
             pretrain.read_config_values(path, overrides, pretrain.LM_STAGE.classes)
         )

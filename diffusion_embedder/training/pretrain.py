@@ -127,7 +127,8 @@ class AdaptedLM(nn.Module):
             self.lm.save_pretrained(folder, safe_serialization=True)
         else:
             self.lm.model.save_pretrained(folder)  # the inner model's adapter, as LLM2Vec's save_peft_model
-        config = {**self.base_config, "_name_or_path": self.base}  # the base's own format (Dream stays Dream)
+        # The base's own format (Dream stays Dream); an adapter folder names its base as LLM2Vec's -mntp repos do.
+        config = dict(self.base_config) if self.full else {**self.base_config, "_name_or_path": self.base}
         with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
         for stale in ("generation_config.json",):
