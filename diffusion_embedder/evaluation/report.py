@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffusion_embedder.evaluation.tasks import benchmark_of
+from diffusion_embedder.evaluation.tasks import BENCHMARKS, benchmark_of
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,9 @@ SKIP_FILES = {"model_meta.json", "identity.json"}  # identity.json: written by o
 #: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
 OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
 OG_DEFAULT = "map_at_1000"
+#: Main scores tried, in this order, when a local task's metric must be read off its scores.
+COMMON_MAIN_SCORES = ("ndcg_at_10", "p-MRR", "ndcg_at_1", "ndcg_at_5", "map_at_1000", "recall_at_1", "mrr_at_10")
+SHORT_LABEL_CHARS = 32
 
 
 @dataclass
@@ -35,9 +38,18 @@ class ResultTable:
     benchmarks: dict[str, str] = field(default_factory=dict)
     #: ``details[model][(task, label)]``: secondary numbers (FollowIR og MAP@1000 / nDCG@5), x100.
     details: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    #: The main score's metric per task (``ndcg_at_10``, ``p-MRR``...).
+    metrics: dict[str, str] = field(default_factory=dict)
 
     def tasks_of(self, benchmark: str) -> list[str]:
-        return sorted(t for t, b in self.benchmarks.items() if b == benchmark)
+        """The benchmark's tasks in its own order (as in the paper's tables); local tasks by name."""
+        tasks = [t for t, b in self.benchmarks.items() if b == benchmark]
+        order = BENCHMARKS.get(benchmark, ())
+        return sorted(tasks, key=lambda t: (order.index(t) if t in order else len(order), t))
+
+    def short_labels(self) -> dict[str, str]:
+        """Model column -> a short label for charts and table headers; ``key`` spells out each one."""
+        return short_labels(self.models)
 
     def average(self, model: str, benchmark: str) -> float | None:
         """Mean over the benchmark's tasks; None unless the model has every one of them."""
@@ -61,6 +73,69 @@ class ResultTable:
                     out.append((bench, f"{task} ({label})", [self.details[m].get((task, label)) for m in self.models]))
             out.append((bench, "Average", [self.average(m, bench) for m in self.models]))
         return out
+
+
+def short_labels(models: list[str]) -> dict[str, str]:
+    """The run's own name (``diffusion_embedder/`` and the revision dropped; its middle cut beyond
+    ``SHORT_LABEL_CHARS``) plus its experiment; the revision comes back where two columns would read the same."""
+
+    def shorten(label: str, keep_revision: bool) -> str:
+        name, _, rest = label.partition("@")
+        revision, _, experiment = rest.partition(" ")
+        short = name.rsplit("/", 1)[-1]
+        if len(short) > SHORT_LABEL_CHARS:  # cut the middle: the run's start and its checkpoint number stay
+            half = (SHORT_LABEL_CHARS - 1) // 2
+            short = short[:half] + "…" + short[-half:]
+        if keep_revision:
+            short += f"@{revision[:6]}"
+        if experiment:
+            short += " " + experiment.replace("enable_bidirectional", "bidir").replace("pooling_mode", "pool")
+        return short
+
+    out = {m: shorten(m, False) for m in models}
+    clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
+    out = {m: shorten(m, True) if v in clashes else v for m, v in out.items()}
+    clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
+    return {m: f"{v} #{i + 1}" if v in clashes else v for i, (m, v) in enumerate(out.items())}
+
+
+BENCHMARK_TITLES = {"followir": "FollowIR", "longembed": "LongEmbed", "bright": "BRIGHT", "local": "Local tasks"}
+
+
+def short_task_name(task: str) -> str:
+    """``LEMBNarrativeQARetrieval`` -> ``NarrativeQA``, ``BrightAopsRetrieval`` -> ``Aops``: the chart title
+    names the benchmark; the table keeps the full names."""
+    for suffix in ("InstructionRetrieval", "Retrieval"):
+        if task.endswith(suffix) and task != suffix:
+            task = task[: -len(suffix)]
+            break
+    for prefix in ("LEMB", "Bright"):
+        if task.startswith(prefix) and len(task) > len(prefix):
+            return task[len(prefix):]
+    return task
+
+
+def metric_name(metric: str) -> str:
+    """``ndcg_at_10`` -> ``nDCG@10``, ``map_at_1000`` -> ``MAP@1000``; others as they are."""
+    pretty = {"ndcg": "nDCG", "map": "MAP", "mrr": "MRR", "recall": "Recall", "precision": "Precision"}
+    head, sep, k = metric.partition("_at_")
+    return f"{pretty.get(head, head)}@{k}" if sep else metric
+
+
+def _main_metric(result) -> str:
+    """The metric behind a result's main score: mteb's task metadata, else (local tasks) the score it equals."""
+    import mteb
+
+    try:
+        return mteb.get_task(result.task_name).metadata.main_score
+    except Exception:  # noqa: BLE001 - not an mteb task: read it off the scores
+        pass
+    first = next(iter(result.scores.values()))[0]
+    matches = [k for k, v in first.items() if k != "main_score" and v == first.get("main_score")]
+    for metric in COMMON_MAIN_SCORES:
+        if metric in matches:
+            return metric
+    return matches[0] if matches else "main score"
 
 
 def _model_label(folder: Path) -> str:
@@ -129,6 +204,7 @@ def load_results(paths: list[str]) -> ResultTable:
             if og:
                 table.details[label][(result.task_name, f"og {metric}")] = 100 * sum(og) / len(og)
             table.benchmarks[result.task_name] = benchmark_of(result.task_name)
+            table.metrics.setdefault(result.task_name, _main_metric(result))
     return table
 
 
@@ -137,10 +213,16 @@ def _fmt(value: float | None) -> str:
 
 
 def to_markdown(table: ResultTable) -> str:
-    lines = ["| benchmark | task | " + " | ".join(table.models) + " |", "|---|---|" + "---:|" * len(table.models)]
+    """The table with short column labels, the metric of each task, and the key to the labels below it."""
+    short = table.short_labels()
+    lines = ["| benchmark | task | metric | " + " | ".join(short[m] for m in table.models) + " |",
+             "|---|---|---|" + "---:|" * len(table.models)]
     for bench, task, values in table.rows():
         name = f"**{task}**" if task == "Average" else task
-        lines.append(f"| {bench} | {name} | " + " | ".join(_fmt(v) for v in values) + " |")
+        metric = metric_name(table.metrics[task]) if task in table.metrics else ""
+        lines.append(f"| {bench} | {name} | {metric} | " + " | ".join(_fmt(v) for v in values) + " |")
+    lines += ["", "Scores: main score x 100; an empty cell is a missing score. Columns:", ""]
+    lines += [f"- **{short[m]}**: `{m}`" for m in table.models]
     return "\n".join(lines) + "\n"
 
 
@@ -154,33 +236,70 @@ def to_csv(table: ResultTable) -> str:
 
 
 def plot(table: ResultTable, out_dir: str) -> list[str]:
-    """One grouped bar chart per benchmark (tasks + average), and ``overview.png`` of the averages (Figure 1)."""
+    """One grouped bar chart per benchmark (tasks in its order + average), and ``overview.png`` of the averages
+    (the paper's Figure 1). Short model labels in the legend, the full identities in a key under the chart,
+    the metric on the axis (under each task when they differ), a missing score marked "missing", never a 0 bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
+    short = table.short_labels()
     written = []
     groups: dict[str, list[tuple[str, list[float | None]]]] = {}
+    metrics: dict[str, list[str]] = {}
     for bench, task, values in table.rows(details=False):
         groups.setdefault(bench, []).append((task, values))
-    groups["overview"] = [
-        (bench, [table.average(m, bench) for m in table.models]) for bench in BENCHMARK_ORDER if table.tasks_of(bench)
-    ]
-    width = 0.8 / max(len(table.models), 1)
+        metrics.setdefault(bench, []).append(metric_name(table.metrics[task]) if task in table.metrics else "")
+    benches = [b for b in BENCHMARK_ORDER if table.tasks_of(b)]
+    groups["overview"] = [(bench, [table.average(m, bench) for m in table.models]) for bench in benches]
+    metrics["overview"] = [" / ".join(dict.fromkeys(metric_name(table.metrics[t]) for t in table.tasks_of(b)))
+                           for b in benches]
+    n = max(len(table.models), 1)
+    width = 0.8 / n
+    key = "\n".join(f"{short[m]} = {m}" for m in table.models)
     for name, items in groups.items():
-        fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(items) + 2), 3.6))
+        task_metrics = [m for m, (label, _) in zip(metrics[name], items, strict=True) if label != "Average"]
+        one_metric = len(set(task_metrics)) == 1 and name != "overview"
+        fig, (ax, key_ax) = plt.subplots(
+            2, 1, figsize=(max(9.0, len(items) * (0.32 * n + 0.5) + 3.0), 4.6 + 0.16 * n),
+            height_ratios=[4.0, 0.35 + 0.16 * n], layout="constrained",
+        )
+        present = [v for _, values in items for v in values if v is not None]
+        top, bottom = max([0.0, *present]), min([0.0, *present])
+        span = (top - bottom) or 1.0
         for j, model in enumerate(table.models):
-            xs = [i + (j - (len(table.models) - 1) / 2) * width for i in range(len(items))]
-            ys = [values[j] or 0.0 for _, values in items]
-            bars = ax.bar(xs, ys, width, label=model)
-            ax.bar_label(bars, labels=[_fmt(values[j]) for _, values in items], fontsize=7)
+            xs = [i + (j - (n - 1) / 2) * width for i in range(len(items))]
+            shown = [(x, values[j]) for x, (_, values) in zip(xs, items, strict=True) if values[j] is not None]
+            bars = ax.bar([x for x, _ in shown], [v for _, v in shown], width, label=short[model])
+            ax.bar_label(bars, labels=[_fmt(v) for _, v in shown], fontsize=7, rotation=90, padding=2)
+            for x, (label, values) in zip(xs, items, strict=True):
+                if values[j] is None:  # an average over an incomplete benchmark is missing too
+                    word = "incomplete" if label == "Average" or name == "overview" else "missing"
+                    ax.text(x, 0.02 * span, word, rotation=90, ha="center", va="bottom", fontsize=7,
+                            color="0.45", style="italic")
+        ax.axhline(0, color="0.3", linewidth=0.8)
+        ax.set_ylim(bottom - (0.22 * span if bottom < 0 else 0), top + 0.22 * span)
         ax.set_xticks(range(len(items)))
-        ax.set_xticklabels([label for label, _ in items], rotation=25, ha="right", fontsize=8)
-        ax.set_ylabel("main score x 100")
-        ax.set_title("Benchmark averages" if name == "overview" else name)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        labels = [BENCHMARK_TITLES.get(label, label) if name == "overview" else
+                  label if name == "local" else short_task_name(label) for label, _ in items]
+        if one_metric:
+            ticks = labels
+            ylabel = f"{task_metrics[0]} x 100"
+        else:
+            ticks = [f"{label}\n({m})" if m else label for label, m in zip(labels, metrics[name], strict=True)]
+            ylabel = "average main score x 100" if name == "overview" else "main score x 100 (metric under each task)"
+        ax.set_xticklabels(ticks, rotation=30 if len(items) > 3 else 0, ha="right" if len(items) > 3 else "center",
+                           fontsize=8)
+        ax.set_ylabel(ylabel)
+        title = "Benchmark averages (mean of the tasks' main scores)" if name == "overview" else (
+            f"{BENCHMARK_TITLES.get(name, name)}: main score per task")
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model", title_fontsize=7)
+        key_ax.axis("off")
+        key_ax.text(0.0, 1.0, "Key:\n" + key, fontsize=7, va="top", ha="left", family="monospace",
+                    transform=key_ax.transAxes)
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)

@@ -1,0 +1,103 @@
+"""Report charts a reader understands at a glance: short labels with a key, the metric on the axis, missing
+scores shown as missing, tasks in the benchmark's order, value labels that stay apart."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from diffusion_embedder.evaluation import report  # noqa: E402
+from diffusion_embedder.evaluation.tasks import LONGEMBED  # noqa: E402
+
+DREAM = "diffusion_embedder/dream-reasonaug-checkpoint-1000@1a2b3c4d"
+DREAM_CAUSAL = DREAM + " (enable_bidirectional=False)"
+QWEN = "diffusion_embedder/Qwen2.5-7B-Instruct@9f8e7d6c"
+
+
+@pytest.fixture
+def table() -> report.ResultTable:
+    """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one BRIGHT task."""
+    t = report.ResultTable(models=[DREAM, DREAM_CAUSAL, QWEN])
+    for m in t.models:
+        t.scores[m], t.details[m] = {}, {}
+    for i, task in enumerate(sorted(LONGEMBED)):
+        t.benchmarks[task] = "longembed"
+        t.metrics[task] = "ndcg_at_1" if task in ("LEMBNeedleRetrieval", "LEMBPasskeyRetrieval") else "ndcg_at_10"
+        for j, m in enumerate(t.models):
+            if not (m == QWEN and task == "LEMBNeedleRetrieval"):
+                t.scores[m][task] = 40.0 + i + j
+    t.benchmarks["BrightAopsRetrieval"] = "bright"
+    t.metrics["BrightAopsRetrieval"] = "ndcg_at_10"
+    for j, m in enumerate(t.models):
+        t.scores[m]["BrightAopsRetrieval"] = 10.0 + j
+    return t
+
+
+@pytest.fixture
+def figures(table, tmp_path, monkeypatch):
+    """Every figure ``plot`` saves, by file name, kept open for inspection."""
+    saved: dict[str, Figure] = {}
+    real = Figure.savefig
+
+    def keep(self, path, *args, **kwargs):
+        saved[str(path).rsplit("/", 1)[-1]] = self
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    written = report.plot(table, str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[-1] for p in written) == ["bright.png", "longembed.png", "overview.png"]
+    return saved
+
+
+def test_short_labels_with_a_key_in_legend_and_table(table, figures):
+    short = table.short_labels()
+    assert short == {DREAM: "dream-reasonaug-checkpoint-1000",
+                     DREAM_CAUSAL: "dream-reasonaug-checkpoint-1000 (bidir=False)",
+                     QWEN: "Qwen2.5-7B-Instruct"}
+    for fig in figures.values():
+        ax, key_ax = fig.axes
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == list(short.values())
+        key = key_ax.texts[0].get_text()
+        assert all(f"{short[m]} = {m}" in key for m in table.models)
+    markdown = report.to_markdown(table)
+    assert markdown.splitlines()[0] == "| benchmark | task | metric | " + " | ".join(short.values()) + " |"
+    assert f"- **Qwen2.5-7B-Instruct**: `{QWEN}`" in markdown
+    # two columns that would read the same get their revision back
+    same = report.short_labels(["a/run@11111111", "b/run@22222222"])
+    assert same == {"a/run@11111111": "run@111111", "b/run@22222222": "run@222222"}
+
+
+def test_metric_on_each_axis_and_tasks_in_the_benchmark_order(figures):
+    longembed = figures["longembed.png"].axes[0]
+    ticks = [t.get_text() for t in longembed.get_xticklabels()]
+    assert ticks == ["NarrativeQA\n(nDCG@10)", "QMSum\n(nDCG@10)", "WikimQA\n(nDCG@10)", "SummScreenFD\n(nDCG@10)",
+                     "Needle\n(nDCG@1)", "Passkey\n(nDCG@1)", "Average"]  # LongEmbed's order, not alphabetical
+    assert "main score x 100" in longembed.get_ylabel()
+    assert figures["bright.png"].axes[0].get_ylabel() == "nDCG@10 x 100"
+    overview = figures["overview.png"].axes[0]
+    assert [t.get_text() for t in overview.get_xticklabels()] == ["LongEmbed\n(nDCG@10 / nDCG@1)", "BRIGHT\n(nDCG@10)"]
+
+
+def test_a_missing_score_is_marked_not_drawn_as_zero(table, figures):
+    ax = figures["longembed.png"].axes[0]
+    qwen_bars = ax.containers[2]
+    assert len(qwen_bars) == 5  # 7 groups; Needle and the (incomplete) average are missing
+    assert all(bar.get_height() > 0 for container in ax.containers for bar in container)
+    marks = sorted((round(t.get_position()[0]), t.get_text()) for t in ax.texts
+                   if t.get_text() in ("missing", "incomplete"))
+    assert marks == [(4, "missing"), (6, "incomplete")]
+    assert "| longembed | LEMBNeedleRetrieval | nDCG@1 | 41.00 | 42.00 |  |" in report.to_markdown(table)
+
+
+def test_value_labels_stand_upright_above_their_own_bars(figures):
+    for fig in figures.values():
+        ax = fig.axes[0]
+        labels = [t for t in ax.texts if t.get_text() not in ("missing", "incomplete")]
+        assert labels and all(t.get_rotation() == 90 for t in labels)
+        bars = [bar for container in ax.containers for bar in container]
+        assert len(labels) == len(bars)
+        assert ax.get_ylim()[1] >= 1.2 * max(bar.get_height() for bar in bars) - 1e-9  # room for the labels
