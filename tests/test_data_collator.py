@@ -37,25 +37,17 @@ def samples(k: int) -> list[TrainSample]:
     ]
 
 
-def test_columns_and_per_negative_lists():
+def test_columns_and_sample_major_negatives():
     tok = RecordingTokenizer()
     batch = ContrastiveCollator(tok, num_negatives=2)(samples(3))
     assert tok.calls == [
         [["inst;", "q0"], ["inst;", "q1"], ["inst;", "q2"]],
         [["", "p0"], ["", "p1"], ["", "p2"]],
-        [["", "n0-0"], ["", "n1-0"], ["", "n2-0"]],
-        [["", "n0-1"], ["", "n1-1"], ["", "n2-1"]],
+        [["", "n0-0"], ["", "n0-1"], ["", "n1-0"], ["", "n1-1"], ["", "n2-0"], ["", "n2-1"]],
     ]
-    assert set(batch) == {"query", "positive", "negatives"} and len(batch["negatives"]) == 2
+    assert set(batch) == {"query", "positive", "negatives"}
     assert batch["query"]["input_ids"].tolist() == [[5, 2]] * 3
-    assert batch["negatives"][1]["input_ids"].tolist() == [[0, 4]] * 3
-
-
-def test_stacked_negatives_are_sample_major():
-    tok = RecordingTokenizer()
-    batch = ContrastiveCollator(tok, num_negatives=2, stack_negatives=True)(samples(2))
-    assert tok.calls[2] == [["", "n0-0"], ["", "n0-1"], ["", "n1-0"], ["", "n1-1"], ["", "n2-0"], ["", "n2-1"]]
-    assert batch["negatives"]["input_ids"].shape == (6, 2)
+    assert batch["negatives"]["input_ids"].shape == (6, 2)  # B * K rows: one shape for any K
 
 
 def test_no_negatives_and_too_few():
@@ -83,7 +75,7 @@ def test_real_encoder_matches_upstream_training_strings(encoder):
     # The fork built "<task>; " + separator + text for queries and separator + text for documents.
     upstream_queries = [f"{s.query[0][:-1]}; {SEPARATOR}{s.query[1]}" for s in batch_samples]
     upstream_negatives = [f"{SEPARATOR}{s.negatives[0][1]}" for s in batch_samples]
-    for got, strings in ((batch["query"], upstream_queries), (batch["negatives"][0], upstream_negatives)):
+    for got, strings in ((batch["query"], upstream_queries), (batch["negatives"], upstream_negatives)):
         want = encoder.tokenize(strings)
         assert set(got) == {"input_ids", "attention_mask", "embed_mask"}
         for key in want:
@@ -96,7 +88,7 @@ def test_real_encoder_matches_upstream_training_strings(encoder):
 
 def test_real_encoder_stacked_msmarco_negatives(encoder):
     ds = MSMARCO(DATA / "msmarco" / "train.jsonl", seed=0)
-    batch = ContrastiveCollator(encoder, num_negatives=15, stack_negatives=True)([ds[0], ds[1]])
+    batch = ContrastiveCollator(encoder, num_negatives=15)([ds[0], ds[1]])
     stacked = batch["negatives"]
     assert stacked["input_ids"].shape[0] == 30
     one = encoder.tokenize([list(n) for n in ds[1].negatives])

@@ -10,7 +10,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from diffusion_embedder import Encoder
-from diffusion_embedder.data import ContrastiveCollator, Custom
+from diffusion_embedder.data import ContrastiveCollator, Custom, TrainSample
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
 from diffusion_embedder.training.arguments import validate
 from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, find_last_checkpoint
@@ -39,7 +39,7 @@ def make_config(tmp_path, **overrides):
     return validate(values)
 
 
-def make_trainer(tmp_path, loss_fn=None, stack=False, **overrides) -> EncoderTrainer:
+def make_trainer(tmp_path, loss_fn=None, **overrides) -> EncoderTrainer:
     cfg = make_config(tmp_path, **overrides)
     torch.manual_seed(0)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
@@ -47,7 +47,7 @@ def make_trainer(tmp_path, loss_fn=None, stack=False, **overrides) -> EncoderTra
         model=encoder,
         args=cfg.training,
         train_dataset=Custom(PAIRS),
-        data_collator=ContrastiveCollator(encoder, num_negatives=1, stack_negatives=stack),
+        data_collator=ContrastiveCollator(encoder, num_negatives=1),
         loss_fn=loss_fn or HardNegativeNLLLoss(),
         grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
     )
@@ -71,9 +71,8 @@ def assert_same(a, b, atol=1e-5):
         torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("stack", [False, True])
-def test_grad_cache_equals_direct_path(tmp_path, stack):
-    trainer = make_trainer(tmp_path, stack=stack, lora_dropout=0.0)
+def test_grad_cache_equals_direct_path(tmp_path):
+    trainer = make_trainer(tmp_path, lora_dropout=0.0)
     with torch.no_grad():  # non-zero LoRA B, so LoRA A gets gradients too
         for name, param in trainer.model.named_parameters():
             if "lora_B" in name:
@@ -83,6 +82,32 @@ def test_grad_cache_equals_direct_path(tmp_path, stack):
     direct = step_grads(trainer, inputs, None)
     for chunk in (1, 2, 4):
         assert_same(step_grads(trainer, inputs, chunk), direct)
+
+
+def test_negatives_reach_the_loss_as_b_k_d_in_sample_order(tmp_path):
+    """One shape from collator to loss: the k-th negative of query i is row (i, k) of a (B, K, d) tensor."""
+    seen = {}
+
+    def recording_loss(q, p, negatives):
+        seen["negatives"] = negatives
+        return HardNegativeNLLLoss()(q, p, negatives)
+
+    trainer = make_trainer(tmp_path, loss_fn=recording_loss, lora_dropout=0.0)
+    trainer.data_collator = ContrastiveCollator(trainer.model, num_negatives=2)
+    batch = [
+        TrainSample(
+            ("i;", f"query {i}"), ("", f"positive {i}"), [("", f"negative {i} {k} " * (k + 1)) for k in range(2)]
+        )
+        for i in range(3)
+    ]
+    trainer.model.eval()
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, trainer.data_collator(batch))
+        negatives = seen["negatives"]
+        assert negatives.shape == (3, 2, trainer.model.embedding_dim)
+        for i, sample in enumerate(batch):
+            alone = trainer.model(trainer.model.tokenize([list(n) for n in sample.negatives]))
+            torch.testing.assert_close(negatives[i], alone, atol=1e-5, rtol=0)
 
 
 def test_grad_cache_replays_dropout(tmp_path):

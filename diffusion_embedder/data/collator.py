@@ -23,13 +23,13 @@ class ContrastiveCollator:
     ``tokenizer``: an ``Encoder`` (its ``tokenize`` is used) or any function mapping a list of
     ``[instruction, text]`` pairs to a feature dict. Each sample contributes its first
     ``num_negatives`` negatives (an error names the sample's group if it has fewer); with
-    ``num_negatives=0`` the output has no ``"negatives"`` key. ``"negatives"`` is a list of
-    ``num_negatives`` feature dicts (k-th negative of every sample), or with ``stack_negatives=True``
-    one dict of ``B * num_negatives`` rows, sample-major (rows ``i*k .. i*k+k-1`` belong to sample
-    ``i``), so ``embeddings.view(B, k, -1)`` recovers the per-query negatives.
+    ``num_negatives=0`` the output has no ``"negatives"`` key. ``"negatives"`` is one feature dict of
+    ``B * num_negatives`` rows, sample-major (rows ``i*k .. i*k+k-1`` belong to sample ``i``), so
+    ``embeddings.view(B, k, -1)`` gives the (B, K, d) negatives the losses take: one shape from the
+    collator to the loss, whatever K is.
     """
 
-    def __init__(self, tokenizer: Any, num_negatives: int = 1, stack_negatives: bool = False):
+    def __init__(self, tokenizer: Any, num_negatives: int = 1):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
         tokenize = getattr(tokenizer, "tokenize", tokenizer)
@@ -37,12 +37,11 @@ class ContrastiveCollator:
             raise TypeError(f"tokenizer must be an Encoder or a callable, got {type(tokenizer).__name__}")
         self.tokenize: TokenizeFn = tokenize
         self.num_negatives = num_negatives
-        self.stack_negatives = stack_negatives
 
     def _features(self, pairs: Sequence[Pair]) -> Features:
         return self.tokenize([list(p) for p in pairs])
 
-    def __call__(self, samples: Sequence[TrainSample]) -> dict[str, Features | list[Features]]:
+    def __call__(self, samples: Sequence[TrainSample]) -> dict[str, Features]:
         if not samples:
             raise ValueError("cannot collate an empty batch")
         k = self.num_negatives
@@ -51,14 +50,11 @@ class ContrastiveCollator:
                 raise ValueError(
                     f"a sample of group {s.group!r} has {len(s.negatives)} negative(s), the collator needs {k}"
                 )
-        batch: dict[str, Features | list[Features]] = {
+        batch: dict[str, Features] = {
             "query": self._features([s.query for s in samples]),
             "positive": self._features([s.positive for s in samples]),
         }
         if k == 0:
             return batch
-        if self.stack_negatives:
-            batch["negatives"] = self._features([n for s in samples for n in s.negatives[:k]])
-        else:
-            batch["negatives"] = [self._features([s.negatives[j] for s in samples]) for j in range(k)]
+        batch["negatives"] = self._features([n for s in samples for n in s.negatives[:k]])
         return batch

@@ -120,29 +120,22 @@ class RunTrainer(Trainer):
 
 
 def text_columns(inputs: dict[str, Any]) -> tuple[list[Features], int]:
-    """The collator's output as a flat list of feature dicts: query, positive, then negatives.
+    """The collator's output as a flat list of feature dicts: query, positive, then the negatives.
 
-    Returns the columns and K, the number of negatives per query (a stacked negatives dict holds
-    B*K rows, sample-major).
+    Returns the columns and K, the number of negatives per query (the negatives dict holds B*K rows,
+    sample-major).
     """
     columns = [inputs["query"], inputs["positive"]]
     negatives = inputs.get("negatives")
     if negatives is None:
         return columns, 0
-    if isinstance(negatives, dict):
-        batch = inputs["query"]["input_ids"].shape[0]
-        return [*columns, negatives], negatives["input_ids"].shape[0] // batch
-    return [*columns, *negatives], len(negatives)
+    return [*columns, negatives], negatives["input_ids"].shape[0] // inputs["query"]["input_ids"].shape[0]
 
 
 def assemble(reps: list[torch.Tensor], num_negatives: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """(queries, positives, negatives) from per-column embeddings, negatives as (B, K, d) or None."""
     q, p = reps[0], reps[1]
-    if num_negatives == 0:
-        return q, p, None
-    if len(reps) == 3 and reps[2].shape[0] == q.shape[0] * num_negatives:
-        return q, p, reps[2].view(q.shape[0], num_negatives, -1)
-    return q, p, torch.stack(reps[2:], dim=1)
+    return q, p, reps[2].view(q.shape[0], num_negatives, -1) if num_negatives else None
 
 
 class EncoderTrainer(RunTrainer):
