@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,14 +23,22 @@ from tqdm.auto import tqdm
 from diffusion_embedder import backbones
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.backbones import find_file
-from diffusion_embedder.pooling import LatentAttentionPooling, check_pooling_mode, pool
+from diffusion_embedder.config import (
+    ENCODER_CONFIG,
+    LLM2VEC_CONFIG,
+    LLM2VEC_KEYS,
+    EncoderConfig,
+    read_settings,
+    resolve_config,
+    setting_fields,
+)
+from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
-    KNOWN_SETTINGS,
     TextInput,
-    default_template,
     eos_suffix_for,
+    known_settings,
     parse_input,
     parse_inputs,
     placeholder_token,
@@ -39,53 +47,25 @@ from diffusion_embedder.templates import (
 
 logger = logging.getLogger(__name__)
 
-ENCODER_CONFIG = "encoder_config.json"
-LLM2VEC_CONFIG = "llm2vec_config.json"
 POOLING_WEIGHTS = "pooling.safetensors"
-LLM2VEC_KEYS = ("pooling_mode", "max_length", "doc_max_length", "skip_instruction")
 HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
-
-
-@dataclass
-class EncoderConfig:
-    """Every setting that changes an embedding; saved as ``encoder_config.json``."""
-
-    base_model_name_or_path: str = ""
-    model_type: str = ""
-    pooling_mode: str = "mean"
-    max_length: int = 512
-    doc_max_length: int = 400
-    skip_instruction: bool = True
-    enable_bidirectional: bool = True
-    #: Chat wrapper with a ``{text}`` slot, applied at training and at evaluation alike.
-    prompt_template: str | None = None
-    #: Appended for ``eos_token``/``last_token`` pooling (LLM2Vec's EOS strings); None derives it.
-    eos_suffix: str | None = None
-    #: ``mask_token`` pooling: how many mask tokens are appended after the text and averaged.
-    mask_readout_tokens: int = 1
-    latent_num_latents: int = 512
-    latent_num_heads: int = 8
-    #: Adapters merged into the base before this checkpoint's own adapter (e.g. LLM2Vec's MNTP).
-    merged_adapters: list[str] = field(default_factory=list)
-    #: Named instructions: ``encode(texts, prompt_name="query")`` is ``encode([[prompts["query"], t] ...])``.
-    prompts: dict[str, str] = field(default_factory=dict)
-    #: What ``similarity`` computes: cosine, dot, euclidean or manhattan (sentence-transformers' names).
-    similarity_fn_name: str = "cosine"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> EncoderConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"Unknown encoder setting(s) {unknown}; known: {sorted(known)}.")
-        return cls(**values)
+SETTING_NAMES = tuple(f.name for f in setting_fields())
 
 
 def _read_json(path: str | None) -> dict:
     return {} if path is None else backbones.read_json_file(path)
+
+
+def _config_attribute(name: str) -> tuple:
+    """LLM2Vec's attribute ``name``: reads ``config``; setting it installs a validated copy of ``config``."""
+
+    def get(self):
+        return getattr(self.config, name)
+
+    def set_(self, value):
+        self._set_config(self.config.replace(**{name: value}))
+
+    return get, set_, None, f"LLM2Vec's ``{name}``: ``config.{name}``."
 
 
 @dataclass
@@ -110,29 +90,42 @@ class Encoder(nn.Module):
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
-        config = config or EncoderConfig(
-            base_model_name_or_path=getattr(model.config, "name_or_path", ""),
-            model_type=getattr(model.config, "model_type", ""),
-        )
-        for key, value in settings.items():
-            if not hasattr(config, key):
-                raise TypeError(f"Unknown encoder setting {key!r}.")
-            setattr(config, key, value)
-        self.config = config
-        check_pooling_mode(config.pooling_mode)
-        self._mask_readout_ids()  # refuse mask_token pooling on a backbone without a mask token, now
-        check_similarity_fn_name(config.similarity_fn_name)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"
-        if config.pooling_mode == "latent_attention" and latent is None:
-            latent = LatentAttentionPooling(
-                self.embedding_dim, config.latent_num_latents, config.latent_num_heads
-            ).to(self.device)
+        if config is None:
+            provenance = {
+                "base_model_name_or_path": getattr(model.config, "name_or_path", "") or "",
+                "model_type": getattr(model.config, "model_type", "") or "",
+            }
+            config = resolve_config(explicit={**provenance, **settings})
+        elif settings:
+            config = config.replace(**settings)
         self.latent = latent
         #: Keep only the first ``truncate_dim`` dimensions of every embedding (Matryoshka-style); None keeps all.
         self.truncate_dim: int | None = None
         self._pool_workers = None
+        self._set_config(config)
+
+    def _set_config(self, config: EncoderConfig) -> None:
+        """Install ``config`` (immutable): derive the EOS string and build the latent head it needs."""
+        if config.pooling_mode == "eos_token" and config.eos_suffix is None:
+            spec = backbones.get_spec(config.model_type) if config.model_type else None
+            suffix = eos_suffix_for(
+                [config.base_model_name_or_path], spec.eos_format if spec else "{eos}", self.tokenizer.eos_token
+            )
+            config = config.replace(eos_suffix=suffix)
+        self._mask_readout_ids(config)  # refuse mask_token pooling on a backbone without a mask token, now
+        if config.pooling_mode == "latent_attention" and self.latent is None:
+            self.latent = LatentAttentionPooling(
+                self.embedding_dim, config.latent_num_latents, config.latent_num_heads
+            ).to(self.device)
+        self.config = config
+
+    pooling_mode = property(*_config_attribute("pooling_mode"))
+    max_length = property(*_config_attribute("max_length"))
+    doc_max_length = property(*_config_attribute("doc_max_length"))
+    skip_instruction = property(*_config_attribute("skip_instruction"))
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -157,24 +150,20 @@ class Encoder(nn.Module):
     ) -> Encoder:
         """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder.
 
-        Settings come, in increasing priority, from the defaults (mean pooling, 512/400 tokens,
-        skip_instruction, bidirectional), the checkpoint's ``llm2vec_config.json`` and
-        ``encoder_config.json`` (read from the PEFT folder when one is given, as LLM2Vec does), then
-        the explicit arguments. An adapter stored inside the base folder (LLM2Vec's MNTP repos) is
-        merged first. Other ``kwargs`` (``device_map``, ``revision``, ``attention_dropout``...) go
-        to the backbone's ``from_pretrained``.
+        Settings are resolved once by ``config.resolve_config``, in increasing priority: the defaults,
+        the checkpoint's ``llm2vec_config.json`` and ``encoder_config.json`` (read from the PEFT folder
+        when one is given, as LLM2Vec does), LLM2Vec's settings for known checkpoint names (not for
+        our encoder folders, which saved them), then the explicit arguments; the result is immutable.
+        An adapter stored inside the base folder (LLM2Vec's MNTP repos) is
+        merged first. ``kwargs`` naming another ``EncoderConfig`` setting set it; other ``kwargs``
+        (``device_map``, ``revision``, ``attention_dropout``...) go to the backbone's ``from_pretrained``.
         """
         hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
         settings_dir = peft_model_name_or_path or base_model_name_or_path
-        saved = _read_json(find_file(settings_dir, ENCODER_CONFIG, **hub_kwargs))
-        config = EncoderConfig.from_dict(saved) if saved else EncoderConfig()
-        llm2vec = _read_json(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs))
-        if not saved:
-            for key in LLM2VEC_KEYS:
-                if key in llm2vec:
-                    setattr(config, key, llm2vec[key])
-        for key, value in KNOWN_SETTINGS.get(base_model_name_or_path, {}).items():
-            setattr(config, key, value)
+        saved = read_settings(find_file(settings_dir, ENCODER_CONFIG, **hub_kwargs))
+        llm2vec = read_settings(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs), LLM2VEC_KEYS)
+        keep_own_adapter = peft_model_name_or_path is None and not merge_peft
+        plan = _plan_load(base_model_name_or_path, saved, keep_own_adapter, hub_kwargs)
         explicit = {
             "enable_bidirectional": enable_bidirectional,
             "pooling_mode": pooling_mode,
@@ -185,11 +174,16 @@ class Encoder(nn.Module):
             "mask_readout_tokens": mask_readout_tokens,
             "prompts": prompts,
             "similarity_fn_name": similarity_fn_name,
+            **{name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs},
         }
-        for key, value in explicit.items():
-            if value is not None:
-                setattr(config, key, value)
-        check_pooling_mode(config.pooling_mode)
+        # An encoder folder already holds the settings known for its checkpoint, resolved when it was made.
+        config = resolve_config(llm2vec, saved, {} if saved else known_settings(plan.names), explicit)
+        merged = list(plan.merges)
+        if peft_model_name_or_path is not None and merge_peft:
+            merged.append(peft_model_name_or_path)
+        config = config.replace(
+            base_model_name_or_path=plan.base_model_name_or_path, model_type=plan.model_type, merged_adapters=merged
+        )
 
         backbone_kwargs = dict(
             kwargs,
@@ -197,9 +191,9 @@ class Encoder(nn.Module):
             torch_dtype=torch_dtype,
             attn_implementation=attn_implementation,
         )
-        keep_own_adapter = peft_model_name_or_path is None and not merge_peft
-        model, tokenizer, names = _load_model(base_model_name_or_path, config, keep_own_adapter, backbone_kwargs)
         spec = backbones.get_spec(config.model_type)
+        tokenizer = backbones.load_tokenizer(plan.tokenizer_from, spec, **hub_kwargs)  # a missing one fails first
+        model = _load_model(plan, backbone_kwargs)
 
         if peft_model_name_or_path is not None:
             from peft import PeftModel
@@ -207,12 +201,9 @@ class Encoder(nn.Module):
             model = PeftModel.from_pretrained(model, peft_model_name_or_path, **hub_kwargs)
             if merge_peft:
                 model = model.merge_and_unload()
-                config.merged_adapters.append(peft_model_name_or_path)
 
-        if not saved:
-            config.prompt_template = prompt_template if prompt_template is not None else default_template(names)
-        if config.eos_suffix is None and config.pooling_mode in ("eos_token", "last_token"):
-            config.eos_suffix = eos_suffix_for(names, spec.eos_format, tokenizer.eos_token)
+        if config.eos_suffix is None and config.pooling_mode == "eos_token":
+            config = config.replace(eos_suffix=eos_suffix_for(plan.names, spec.eos_format, tokenizer.eos_token))
 
         latent = None
         latent_path = find_file(settings_dir, POOLING_WEIGHTS, **hub_kwargs)
@@ -235,30 +226,22 @@ class Encoder(nn.Module):
     def embedding_dim(self) -> int:
         return self.model.config.hidden_size
 
-    def _mask_readout_ids(self) -> list[int]:
+    def _mask_readout_ids(self, config: EncoderConfig | None = None) -> list[int]:
         """The K mask-token ids appended for ``mask_token`` pooling (DiffRetriever's readout); [] otherwise."""
-        if self.config.pooling_mode != "mask_token":
+        config = config or self.config
+        if config.pooling_mode != "mask_token":
             return []
-        k = self.config.mask_readout_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"mask_readout_tokens must be a positive integer, got {k!r}.")
         mask_id = getattr(self.model.config, "mask_token_id", None)
         if mask_id is None:
             raise ValueError(
                 f"pooling_mode='mask_token' needs a backbone with a mask token (Dream, LLaDA); "
-                f"{self.config.model_type or type(self.model).__name__!r} has no mask_token_id in its config."
+                f"{config.model_type or type(self.model).__name__!r} has no mask_token_id in its config."
             )
-        return [int(mask_id)] * k
+        return [int(mask_id)] * config.mask_readout_tokens
 
     def _eos_suffix(self) -> str:
-        if self.config.pooling_mode not in ("eos_token", "last_token"):
-            return ""
-        if self.config.eos_suffix is None:
-            spec = backbones.get_spec(self.config.model_type) if self.config.model_type else None
-            self.config.eos_suffix = eos_suffix_for(
-                [self.config.base_model_name_or_path], spec.eos_format if spec else "{eos}", self.tokenizer.eos_token
-            )
-        return self.config.eos_suffix
+        """LLM2Vec appends an EOS string for ``eos_token`` pooling only (``last_token`` pools the text's own end)."""
+        return (self.config.eos_suffix or "") if self.config.pooling_mode == "eos_token" else ""
 
     def _token_ids(self, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
         """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""
@@ -277,7 +260,11 @@ class Encoder(nn.Module):
         return out
 
     def _tokenize_items(
-        self, items: list[TextInput], doc_max_length: int | None = None, warn: bool = True
+        self,
+        items: list[TextInput],
+        doc_max_length: int | None = None,
+        warn: bool = True,
+        max_length: int | None = None,
     ) -> list[_Tokenized]:
         """Tokenize as LLM2Vec does; over-long texts are cut on the text side so the instruction survives.
 
@@ -287,7 +274,7 @@ class Encoder(nn.Module):
         if doc_max_length is not None:
             items = self._cut_texts(items, [doc_max_length] * len(items))
         template, eos, readout = self.config.prompt_template, self._eos_suffix(), self._mask_readout_ids()
-        max_length = self.config.max_length - len(readout)  # the appended mask tokens always fit
+        max_length = (max_length or self.config.max_length) - len(readout)  # the appended mask tokens always fit
         result: list[_Tokenized] = [None] * len(items)  # type: ignore[list-item]
         pending, truncated = list(range(len(items))), set()
         while pending:
@@ -398,6 +385,8 @@ class Encoder(nn.Module):
         truncate_dim: int | None = None,
         precision: str = "float32",
         max_tokens_per_batch: int | None = None,
+        max_length: int | None = None,
+        doc_max_length: int | None = None,
         packing: str | bool = "auto",
     ) -> torch.Tensor | np.ndarray:
         """Embed strings or ``[instruction, text]`` pairs, in input order.
@@ -410,6 +399,9 @@ class Encoder(nn.Module):
         ``normalize_embeddings``, and ``precision`` (int8, uint8, binary, ubinary) quantizes them with
         buckets from this call's embeddings.
 
+        The positional arguments are LLM2Vec's, in its order; newer ones are keyword-only.
+        ``max_length`` / ``doc_max_length`` override the encoder's for this call only.
+
         Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
         (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
         the benchmark showed it faster) each batch is instead one padding-free row of length-sorted
@@ -420,6 +412,8 @@ class Encoder(nn.Module):
         """
         check_precision(precision)
         single = isinstance(sentences, str)
+        if _is_single_triple(sentences):
+            sentences = [sentences]  # as LLM2Vec: one [instruction, text, id] input
         items = parse_inputs([sentences] if single else sentences)
         prompt = self._resolve_prompt(prompt, prompt_name)
         if prompt is not None:
@@ -427,7 +421,9 @@ class Encoder(nn.Module):
         if not items:
             out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         else:
-            tokenized = self._tokenize_items(items, doc_max_length=self.config.doc_max_length)
+            lengths = {"max_length": max_length, "doc_max_length": doc_max_length}
+            call = self.config.replace(**{k: v for k, v in lengths.items() if v is not None})  # validated
+            tokenized = self._tokenize_items(items, doc_max_length=call.doc_max_length, max_length=call.max_length)
             lengths = [len(t.input_ids) for t in tokenized]
             devices = _resolve_devices(device, self)
             device_type = torch.device(devices[0] or self.device).type
@@ -501,7 +497,7 @@ class Encoder(nn.Module):
 
     @similarity_fn_name.setter
     def similarity_fn_name(self, value: str) -> None:
-        self.config = replace(self.config, similarity_fn_name=check_similarity_fn_name(value))
+        self._set_config(self.config.replace(similarity_fn_name=check_similarity_fn_name(value)))
 
     def get_sentence_embedding_dimension(self) -> int:
         """Length of the vectors ``encode`` returns (``truncate_dim`` when set)."""
@@ -514,7 +510,7 @@ class Encoder(nn.Module):
 
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
-        self.config = replace(self.config, max_length=value)
+        self._set_config(self.config.replace(max_length=value))
 
     def _encode_local(self, tokenized, batches, device, show_progress_bar, collate) -> torch.Tensor:
         if device is not None and torch.device(device) != self.device:
@@ -572,14 +568,14 @@ class Encoder(nn.Module):
             export(self, output_path, format)
             return
         os.makedirs(output_path, exist_ok=True)
-        config = EncoderConfig.from_dict(self.config.to_dict())
+        config = self.config
         if merge_before_save and hasattr(self.model, "merge_and_unload"):
             self.model = self.model.merge_and_unload()
         self.model.save_pretrained(output_path, safe_serialization=True)
         if hasattr(self.model, "peft_config"):
             _describe_adapter(os.path.join(output_path, "adapter_config.json"), config.base_model_name_or_path)
         else:
-            config.merged_adapters = []
+            config = config.replace(merged_adapters=[])
         self.tokenizer.save_pretrained(output_path)
         if self.latent is not None:
             state = {k: v.detach().cpu().contiguous() for k, v in self.latent.state_dict().items()}
@@ -607,6 +603,16 @@ def _describe_adapter(path: str, base_model_name_or_path: str) -> None:
 LLM2Vec = Encoder
 
 
+def _is_single_triple(sentences) -> bool:
+    return (
+        isinstance(sentences, list | tuple)
+        and len(sentences) == 3
+        and isinstance(sentences[0], str)
+        and isinstance(sentences[1], str)
+        and isinstance(sentences[2], int)
+    )
+
+
 def _resolve_devices(device, encoder: Encoder) -> list:
     if device is None:
         on_gpu = encoder.device.type == "cuda" and not hasattr(encoder.model, "hf_device_map")
@@ -621,27 +627,35 @@ def _resolve_devices(device, encoder: Encoder) -> list:
     return devices
 
 
-def _load_model(
-    base: str, config: EncoderConfig, keep_own_adapter: bool, backbone_kwargs: dict
-) -> tuple[nn.Module, str, list[str | None]]:
-    """Load the base weights and merge the adapters that belong under them, in order.
+@dataclass(frozen=True)
+class _LoadPlan:
+    """What to load for a checkpoint name, read from its small files only (no weights)."""
+
+    weights_from: str
+    tokenizer_from: str
+    #: Names that select LLM2Vec's known settings (the name given, the config's ``_name_or_path``, the base).
+    names: list[str | None]
+    base_model_name_or_path: str
+    model_type: str
+    merges: tuple[str, ...]
+    own_adapter: str | None
+
+
+def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict) -> _LoadPlan:
+    """Where the weights, adapters and tokenizer of ``base`` are.
 
     ``base`` may be a plain checkpoint, an LLM2Vec folder whose adapter sits beside a config naming its
     base (merged, as LLM2Vec does), or one of our encoder folders holding only an adapter (its base
-    and earlier merges are recorded in ``config``; the adapter stays a trainable PEFT model when
-    ``keep_own_adapter``). Returns the model, its tokenizer, and the names used
-    to look up LLM2Vec's default templates. The tokenizer loads first, so a missing one fails before the weights.
+    and earlier merges are recorded in ``saved``; the adapter stays a trainable PEFT model when
+    ``keep_own_adapter``). Nothing heavy is read, so settings and the tokenizer are checked before the weights.
     """
-    hub_kwargs = {k: backbone_kwargs[k] for k in HUB_KWARGS if k in backbone_kwargs}
     has_weights = any(find_file(base, f, **hub_kwargs) for f in ("model.safetensors", "model.safetensors.index.json"))
     own_adapter = _read_json(find_file(base, "adapter_config.json", **hub_kwargs))
-    is_encoder_folder = find_file(base, ENCODER_CONFIG, **hub_kwargs) is not None
+    is_encoder_folder = bool(saved)
     if has_weights:
         weights_from = base
     elif own_adapter:
-        weights_from = (
-            config.base_model_name_or_path if is_encoder_folder else own_adapter["base_model_name_or_path"]
-        )
+        weights_from = saved.get("base_model_name_or_path") or own_adapter["base_model_name_or_path"]
     else:
         raise FileNotFoundError(
             f"No model found at {base!r}: expected model.safetensors (or its index) or a PEFT adapter "
@@ -650,28 +664,38 @@ def _load_model(
     names = [base, weights_from]
     if find_file(base, "config.json", **hub_kwargs):
         names.insert(1, backbones.read_config_dict(base, **hub_kwargs).get("_name_or_path"))
-    if not (is_encoder_folder and config.base_model_name_or_path):
-        config.base_model_name_or_path = weights_from  # an encoder folder keeps its original base as provenance
-    config.model_type = config.model_type or backbones.get_spec(
+    # an encoder folder keeps its original base as provenance
+    provenance = saved.get("base_model_name_or_path") if is_encoder_folder else None
+    model_type = saved.get("model_type") or backbones.get_spec(
         backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
     ).model_type
-    tokenizer_from = base if find_file(base, "tokenizer_config.json", **hub_kwargs) else weights_from
-    tokenizer = backbones.load_tokenizer(tokenizer_from, backbones.get_spec(config.model_type), **hub_kwargs)
-    model = backbones.load_backbone(weights_from, **backbone_kwargs)
-
-    merges = list(dict.fromkeys(config.merged_adapters))
+    merges = list(dict.fromkeys(saved.get("merged_adapters", [])))
     keep_own = bool(own_adapter) and is_encoder_folder and keep_own_adapter
     if own_adapter and not keep_own and base not in merges:
         merges.append(base)
-    if merges or keep_own:
+    return _LoadPlan(
+        weights_from=weights_from,
+        tokenizer_from=base if find_file(base, "tokenizer_config.json", **hub_kwargs) else weights_from,
+        names=names,
+        base_model_name_or_path=provenance or weights_from,
+        model_type=model_type,
+        merges=tuple(merges),
+        own_adapter=base if keep_own else None,
+    )
+
+
+def _load_model(plan: _LoadPlan, backbone_kwargs: dict) -> nn.Module:
+    """Load the base weights and merge the adapters that belong under them, in order."""
+    hub_kwargs = {k: backbone_kwargs[k] for k in HUB_KWARGS if k in backbone_kwargs}
+    model = backbones.load_backbone(plan.weights_from, **backbone_kwargs)
+    if plan.merges or plan.own_adapter:
         from peft import PeftModel
 
-        for adapter in merges:
+        for adapter in plan.merges:
             model = PeftModel.from_pretrained(model, adapter, **hub_kwargs).merge_and_unload()
-        if keep_own:
-            model = PeftModel.from_pretrained(model, base, **hub_kwargs)
-    config.merged_adapters = merges
-    return model, tokenizer, names
+        if plan.own_adapter:
+            model = PeftModel.from_pretrained(model, plan.own_adapter, **hub_kwargs)
+    return model
 
 
 def check_batch_size(batch_size) -> None:

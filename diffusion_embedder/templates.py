@@ -80,9 +80,12 @@ def parse_input(item: object, index: int) -> TextInput:
             return TextInput(prefix, text.replace(SEPARATOR, ""))
         return TextInput("", item)
     if isinstance(item, list | tuple):
+        if len(item) == 3 and isinstance(item[2], int) and not isinstance(item[2], bool):
+            item = item[:2]  # LLM2Vec's [instruction, text, id] triples (MEDI): it reads the first two
         if len(item) != 2:
             raise ValueError(
-                f"Input {index} is a sequence of length {len(item)}; expected a string or an [instruction, text] pair."
+                f"Input {index} is a sequence of length {len(item)}; expected a string, an [instruction, text] "
+                "pair or an [instruction, text, int] triple."
             )
         instruction, text = item
         for part, name in ((instruction, "instruction"), (text, "text")):
@@ -127,6 +130,17 @@ def render(item: TextInput, template: str | None, eos_suffix: str) -> tuple[str,
         marked = marked.strip() + eos_suffix
     prefix, _, span = marked.partition(SEPARATOR)
     return prefix + span, span
+
+
+def known_settings(names: Sequence[str | None]) -> dict:
+    """Settings LLM2Vec hard-coded for published checkpoints with one of ``names`` (templates included)."""
+    known: dict = {}
+    for name in reversed(list(names)):
+        known.update(KNOWN_SETTINGS.get(name, {}))
+    template = default_template(names)
+    if template is not None:
+        known["prompt_template"] = template
+    return known
 
 
 def default_template(names: Sequence[str | None]) -> str | None:

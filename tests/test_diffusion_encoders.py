@@ -78,7 +78,7 @@ def test_mask_readout_fits_max_length_and_round_trips(tmp_path):
     encoder = mask_encoder(LLADA_FIXTURE, mask_readout_tokens=2, max_length=12)
     ids = encoder.tokenize(["a long text " * 20])["input_ids"][0].tolist()
     assert len(ids) == 12 and ids[-2:] == [956, 956] and ids[-3] != 956
-    encoder.config.max_length = 64
+    encoder.max_length = 64
     expected = encoder.encode(TEXTS, show_progress_bar=False)
     encoder.save(str(tmp_path / "enc"))
     saved = json.loads((tmp_path / "enc" / "encoder_config.json").read_text())

@@ -33,7 +33,8 @@ class VectorStandIn:
         self.calls: list[dict] = []
 
     def encode(self, sentences, batch_size=32, show_progress_bar=True, convert_to_numpy=False, **kwargs):
-        self.calls.append({"inputs": [list(s) for s in sentences], "max_length": self.config.max_length})
+        length = kwargs.get("max_length", self.config.max_length)
+        self.calls.append({"inputs": [list(s) for s in sentences], "max_length": length})
         return np.array([[float(x) for x in re.search(r"v=([\d,]+)", t).group(1).split(",")] for _, t in sentences])
 
 

@@ -36,8 +36,9 @@ class RecordingStandIn:
         self.calls: list[dict] = []
 
     def encode(self, sentences, batch_size=32, show_progress_bar=True, convert_to_numpy=False, **kwargs):
-        self.calls.append({"inputs": [list(s) for s in sentences], "max_length": self.config.max_length,
-                           "doc_max_length": self.config.doc_max_length})
+        self.calls.append({"inputs": [list(s) for s in sentences],
+                           "max_length": kwargs.get("max_length", self.config.max_length),
+                           "doc_max_length": kwargs.get("doc_max_length", self.config.doc_max_length)})
         return np.array([[len(t), t.count("a") + 1.0] for _, t in sentences], dtype=np.float32)
 
 
@@ -125,7 +126,7 @@ def test_queries_get_the_task_instruction_and_followir_template_documents_none()
         MTEBEncoder(stand_in, revision="r0", query_template="{query}")
 
 
-def test_longembed_length_splits_set_the_encoder_lengths_for_that_split_only():
+def test_longembed_length_splits_pass_per_call_lengths_and_leave_the_config_alone():
     from mteb.types import PromptType
 
     stand_in = RecordingStandIn()
@@ -163,10 +164,10 @@ def test_cache_is_hit_on_the_second_pass_and_invalidated_by_model_or_settings(tm
     assert encoded == 0
     np.testing.assert_array_equal(second, first)
     # settings change -> new key
-    encoder.config.pooling_mode = "weighted_mean"
+    encoder.pooling_mode = "weighted_mean"
     third, encoded = run(MTEBEncoder(encoder, cache=cache))
     assert encoded == 3 and not np.allclose(third, first)
-    encoder.config.pooling_mode = "mean"
+    encoder.pooling_mode = "mean"
     # another checkpoint (same architecture, other weights) -> new key
     other = Encoder.from_pretrained(str(family_checkpoint("llama")), torch_dtype=torch.float32, device="cpu")
     fourth, encoded = run(MTEBEncoder(other, cache=cache))

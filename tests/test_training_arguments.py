@@ -156,7 +156,7 @@ def test_paper_configs_carry_section9_hyperparameters():
     dream_if = load("Dream_if")
     assert (dream_if.model.model_name_or_path, dream_if.custom.loss_class) == ("siyue/Dream_emb", "RepllamaLoss")
     assert dream_if.custom.scale_by_dim and dream_if.custom.lora_r == 32 and dream_if.custom.lora_alpha == 64
-    assert (dream_if.model.max_seq_length, dream_if.model.doc_max_length) == (304, 196)
+    assert (dream_if.model.max_length, dream_if.model.doc_max_length) == (304, 196)
     t = dream_if.training
     assert (t.learning_rate, t.warmup_steps, t.per_device_train_batch_size, t.gradient_accumulation_steps) == (
         1e-4,
@@ -167,7 +167,7 @@ def test_paper_configs_carry_section9_hyperparameters():
     assert (t.save_steps, dream_if.custom.stop_after_n_steps, dream_if.data.num_negatives) == (50, 1000, 15)
     dream_long = load("Dream_long")
     assert (dream_long.training.learning_rate, dream_long.custom.stop_after_n_steps) == (5e-5, 4000)
-    assert dream_long.custom.loss_scale == 50.0 and dream_long.model.max_seq_length == 4096
+    assert dream_long.custom.loss_scale == 50.0 and dream_long.model.max_length == 4096
     llama_long = load("MetaLlama3_long")
     assert llama_long.training.warmup_steps == 200 and "mntp" in llama_long.model.peft_model_name_or_path
     mistral_theorem = load("Mistral_theorem")
@@ -175,5 +175,5 @@ def test_paper_configs_carry_section9_hyperparameters():
     assert mistral_theorem.data.dataset_name == "ReasonAug" and mistral_theorem.training.save_steps == 500
     for name in ("Dream_if", "Dream_long", "Dream_theorem", "Qwen2_if", "Mistral_long"):
         cfg = load(name)
-        assert cfg.model.bidirectional and cfg.model.pooling_mode == "mean" and cfg.training.seed == 42
+        assert cfg.model.enable_bidirectional and cfg.model.pooling_mode == "mean" and cfg.training.seed == 42
         assert cfg.training.report_to == ["tensorboard"] and cfg.custom.lora_dropout == 0.05

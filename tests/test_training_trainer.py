@@ -30,6 +30,7 @@ def make_config(tmp_path, **overrides):
         "report_to": "none",
         "bidirectional": True,
         "max_seq_length": 64,
+        "skip_instruction": False,
         "lora_r": 4,
         "use_cpu": True,
         "per_device_train_batch_size": 4,
@@ -188,7 +189,7 @@ def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path):
     _save_adapter(mntp, seed=1)
     cfg = make_config(tmp_path, peft_model_name_or_path=str(mntp))
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
-    assert encoder.config.merged_adapters == [str(mntp)]
+    assert encoder.config.merged_adapters == (str(mntp),)
     trainable = {n: p for n, p in encoder.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert all(float(p.detach().abs().max()) == 0 for n, p in trainable.items() if "lora_B" in n)  # fresh LoRA

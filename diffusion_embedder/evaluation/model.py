@@ -11,7 +11,6 @@ checkpoint evaluated with its own settings sits at mteb's standard path and abla
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -131,13 +130,10 @@ def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any)
     ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
     kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
     """
-    import inspect
-
     from diffusion_embedder import Encoder
-    from diffusion_embedder.encoder import EncoderConfig
+    from diffusion_embedder.config import setting_fields
 
-    settings = set(EncoderConfig().to_dict()) & set(inspect.signature(Encoder.from_pretrained).parameters)
-    settings -= {*PROVENANCE_KEYS, "model_type"}
+    settings = {f.name for f in setting_fields()}
     overrides = {k: v for k, v in kwargs.items() if k in settings}
     encoder = Encoder.from_pretrained(
         kwargs["base_model_name_or_path"],
@@ -274,24 +270,11 @@ class MTEBEncoder(AbsEncoder):
         instruction = query_instruction(task_metadata.name, self.instructions, task_metadata.prompt)
         return [[instruction, t] for t in texts]
 
-    @contextlib.contextmanager
-    def _split_lengths(self, hf_split: str):
-        """LongEmbed: the split's length becomes max_length and doc_max_length while it is encoded."""
-        length = split_max_length(hf_split, self.max_length_cap)
-        config = getattr(self.model, "config", None)
-        if length is None or config is None:
-            yield
-            return
-        saved = (config.max_length, config.doc_max_length)
-        config.max_length = config.doc_max_length = length
-        try:
-            yield
-        finally:
-            config.max_length, config.doc_max_length = saved
-
-    def _encode_pairs(self, pairs: list[list[str]], batch_size: int, show_progress_bar: bool) -> np.ndarray:
+    def _encode_pairs(
+        self, pairs: list[list[str]], batch_size: int, show_progress_bar: bool, lengths: dict
+    ) -> np.ndarray:
         out = self.model.encode(
-            pairs, batch_size=batch_size, show_progress_bar=show_progress_bar, convert_to_numpy=True
+            pairs, batch_size=batch_size, show_progress_bar=show_progress_bar, convert_to_numpy=True, **lengths
         )
         return np.asarray(out, dtype=np.float32)
 
@@ -308,14 +291,16 @@ class MTEBEncoder(AbsEncoder):
         pairs = self.inputs_for(inputs, task_metadata, prompt_type)
         batch_size = int(kwargs.get("batch_size") or 32)
         show = bool(kwargs.get("show_progress_bar", False))
-        with self._split_lengths(hf_split):
-            if prompt_type == PromptType.document and self.cache is not None:
-                settings = {**encoder_settings(self.model), "role": "document"}
-                texts = [text for _, text in pairs]
-                return self.cache.get_or_encode(
-                    texts,
-                    lambda missing: self._encode_pairs([["", t] for t in missing], batch_size, show),
-                    identity=f"{self.identity['name']}@{self.identity['revision']}|{self.weights}",
-                    settings=settings,
-                )
-            return self._encode_pairs(pairs, batch_size, show)
+        # LongEmbed length splits: the split's length is this call's max_length and doc_max_length.
+        length = split_max_length(hf_split, self.max_length_cap)
+        lengths = {} if length is None else {"max_length": length, "doc_max_length": length}
+        if prompt_type == PromptType.document and self.cache is not None:
+            settings = {**encoder_settings(self.model), **lengths, "role": "document"}
+            texts = [text for _, text in pairs]
+            return self.cache.get_or_encode(
+                texts,
+                lambda missing: self._encode_pairs([["", t] for t in missing], batch_size, show, lengths),
+                identity=f"{self.identity['name']}@{self.identity['revision']}|{self.weights}",
+                settings=settings,
+            )
+        return self._encode_pairs(pairs, batch_size, show, lengths)

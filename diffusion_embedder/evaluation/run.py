@@ -11,15 +11,19 @@ their files).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffusion_embedder.config import field_types as encoder_field_types
+from diffusion_embedder.config import default_of, matches_type, setting_fields, value_problem
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.tasks import resolve_task_names
 
@@ -29,13 +33,13 @@ logger = logging.getLogger(__name__)
 #: every ``*.json`` next to ``model_meta.json`` as a task result.
 IDENTITY_FILE = "identity.jsonl"
 #: Encoder settings the command line may override; an override is an ablation (an ``experiments/`` folder).
-ENCODER_FLAGS = ("enable_bidirectional", "pooling_mode", "mask_readout_tokens", "max_length", "doc_max_length")
+ENCODER_FLAGS = tuple(f.name for f in setting_fields())
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
 FULL_RANKING = 2**62
 
 
 @dataclass
-class EvalArguments:
+class _EvalOptions:
     base_model_name_or_path: str | None = None
     peft_model_name_or_path: str | None = None
     task_name: list[str] = field(default_factory=list)
@@ -44,11 +48,6 @@ class EvalArguments:
     task_to_instructions_fp: str | None = None
     output_dir: str = "results"
     batch_size: int = 32
-    enable_bidirectional: bool | None = None
-    pooling_mode: str | None = None
-    mask_readout_tokens: int | None = None
-    max_length: int | None = None
-    doc_max_length: int | None = None
     max_length_cap: int = 32768
     top_k: int | None = None
     data_dir: str | None = None
@@ -62,6 +61,15 @@ class EvalArguments:
     revision: str | None = None
     torch_dtype: str | None = None
     device: str | None = None
+
+
+#: The evaluation options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
+EvalArguments = dataclasses.make_dataclass(
+    "EvalArguments",
+    [(f.name, encoder_field_types()[f.name] | None, field(default=None)) for f in setting_fields()],
+    bases=(_EvalOptions,),
+    namespace={"__module__": __name__},
+)
 
 
 @dataclass
@@ -91,11 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task_to_instructions_fp", help="JSON task -> query instruction (default: the shipped file)")
     p.add_argument("--output_dir", default="results")
     p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--enable_bidirectional", type=_str2bool, default=None, help="default: the checkpoint's setting")
-    p.add_argument("--pooling_mode", default=None)
-    p.add_argument("--mask_readout_tokens", type=int, default=None, help="mask_token pooling: mask tokens appended")
-    p.add_argument("--max_length", type=int, default=None)
-    p.add_argument("--doc_max_length", type=int, default=None)
     p.add_argument("--max_length_cap", type=int, default=32768, help="upper bound for LongEmbed length splits")
     p.add_argument("--top_k", type=int, default=None,
                    help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
@@ -111,7 +114,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="results revision (default: hash of weights and settings)")
     p.add_argument("--torch_dtype", default=None, choices=TORCH_DTYPES, help="default: float32")
     p.add_argument("--device", default=None)
+    add_encoder_flags(p)
     return p
+
+
+def _setting_type(name: str):
+    """argparse type for setting ``name``: its Python type, checked with EncoderConfig's own rules."""
+    tp = encoder_field_types()[name]
+    base = bool if tp is bool else int if tp is int else dict if typing.get_origin(tp) is dict else str
+
+    def parse(raw: str):
+        if base is dict:
+            try:
+                value = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise argparse.ArgumentTypeError(f"{name}: expected a JSON object, got {raw!r}") from err
+            if not matches_type(value, tp):
+                raise argparse.ArgumentTypeError(f"{name}: expected a JSON object of strings, got {raw!r}")
+            return value
+        value = _str2bool(raw) if base is bool else base(raw)
+        problem = value_problem(name, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse.__name__ = base.__name__
+    return parse
+
+
+def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EncoderConfig`` setting; unset flags keep the checkpoint's value."""
+    group = parser.add_argument_group("encoder settings (default: the checkpoint's, else the value shown)")
+    for f in setting_fields():
+        choices = f.metadata.get("choices")
+        extra = f"; one of {', '.join(choices)}" if choices else ""
+        group.add_argument(
+            f"--{f.name}",
+            type=_setting_type(f.name),
+            default=None,
+            metavar=f.name.upper(),
+            help=f"{f.metadata['help']} (default: {f.default!r}{extra})",
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> EvalArguments:

@@ -22,9 +22,10 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from diffusion_embedder.config import field_types as encoder_field_types
+from diffusion_embedder.config import setting_fields, value_problem
 from diffusion_embedder.data import DATASET_READERS
 from diffusion_embedder.dtypes import TORCH_DTYPES
-from diffusion_embedder.pooling import POOLING_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -38,27 +39,47 @@ class ConfigError(ValueError):
     """A training config that cannot run; the message lists every problem found."""
 
 
-@dataclass
-class ModelArguments:
-    """Which backbone, which earlier adapter, and the encoder settings saved with every checkpoint."""
+#: LLM2Vec's training names for encoder settings, still accepted (the JSON configs of the paper use them).
+MODEL_ALIASES = {"max_seq_length": "max_length", "bidirectional": "enable_bidirectional"}
 
-    model_name_or_path: str = field(metadata={"help": "Base checkpoint (hub name or folder)."})
-    peft_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Earlier adapter: merged (MNTP), or continued if its name contains 'simcse'."}
+
+def _model_arguments() -> type:
+    """``ModelArguments``: what to load, plus every ``EncoderConfig`` setting (its name, type, default, choices)."""
+    hints = encoder_field_types()
+    specs: list[tuple] = [
+        ("model_name_or_path", str, field(metadata={"help": "Base checkpoint (hub name or folder)."})),
+        (
+            "peft_model_name_or_path",
+            str | None,
+            field(
+                default=None,
+                metadata={"help": "Earlier adapter: merged (MNTP), or continued if its name contains 'simcse'."},
+            ),
+        ),
+        ("torch_dtype", str | None, field(default=None, metadata={"help": "Weights dtype; null = float32."})),
+        ("attn_implementation", str, field(default="sdpa", metadata={"help": "Attention kernel."})),
+    ]
+    aliases = {canonical: alias for alias, canonical in MODEL_ALIASES.items()}
+    for f in setting_fields():
+        help_ = f.metadata["help"] + (f" (upstream name: {aliases[f.name]})" if f.name in aliases else "")
+        metadata = {**f.metadata, "help": help_}
+        default = {"default": f.default} if f.default_factory is dataclasses.MISSING else {
+            "default_factory": f.default_factory
+        }
+        specs.append((f.name, hints[f.name], field(metadata=metadata, **default)))
+
+    def encoder_settings(self) -> dict[str, Any]:
+        """The ``EncoderConfig`` settings of this config, as given to ``Encoder.from_pretrained``."""
+        return {f.name: getattr(self, f.name) for f in setting_fields()}
+
+    cls = dataclasses.make_dataclass(
+        "ModelArguments", specs, namespace={"encoder_settings": encoder_settings, "__module__": __name__}
     )
-    bidirectional: bool = field(default=False, metadata={"help": "Remove the causal mask (every paper config: true)."})
-    max_seq_length: int = field(default=512, metadata={"help": "Tokens per text at training (and encode)."})
-    doc_max_length: int = field(default=1024, metadata={"help": "Document cut at encode time, saved for eval."})
-    skip_instruction: bool = field(default=False, metadata={"help": "Pool over the text only, not the instruction."})
-    torch_dtype: str | None = field(default=None, metadata={"help": f"One of {TORCH_DTYPES}; None = float32."})
-    attn_implementation: str = field(default="sdpa", metadata={"help": f"One of {ATTN_IMPLEMENTATIONS}."})
-    pooling_mode: str = field(default="mean", metadata={"help": f"One of {POOLING_MODES}."})
-    mask_readout_tokens: int = field(
-        default=1, metadata={"help": "mask_token pooling: mask tokens appended after the text and averaged."}
-    )
-    prompt_template: str | None = field(
-        default=None, metadata={"help": "Chat wrapper with a {text} slot; None = the encoder's default."}
-    )
+    cls.__doc__ = "Which backbone, which earlier adapter, and the encoder settings saved with every checkpoint."
+    return cls
+
+
+ModelArguments = _model_arguments()
 
 
 @dataclass
@@ -117,7 +138,7 @@ REQUIRED_TRAINING = ("output_dir",)
 CHOICES = {
     "torch_dtype": (None, *TORCH_DTYPES),
     "attn_implementation": ATTN_IMPLEMENTATIONS,
-    "pooling_mode": POOLING_MODES,
+    **{f.name: f.metadata["choices"] for f in setting_fields() if f.metadata.get("choices")},
     "dataset_name": DATASET_NAMES,
     "group_by": ("global", "device"),
     "loss_class": LOSS_CLASSES,
@@ -241,6 +262,8 @@ def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSE
             raise ConfigError(f"Expected --key value after the config path, got {token!r}.")
         key, eq, raw = token[2:].partition("=")
         key = key.replace("-", "_")
+        if key not in table:
+            key = MODEL_ALIASES.get(key, key)
         tp = table[key][2] if key in table else str
         if not eq:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -284,14 +307,32 @@ def _value_errors(
     return errors
 
 
+SETTING_NAMES = tuple(f.name for f in setting_fields())
+
+
+def canonical_names(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Upstream names (``MODEL_ALIASES``) renamed to ours; giving both names of one setting is an error."""
+    values, errors = dict(values), []
+    for alias, canonical in MODEL_ALIASES.items():
+        if alias in values:
+            if canonical in values:
+                errors.append(f"{alias} and {canonical} are the same setting; give one")
+            values[canonical] = values.pop(alias)
+    return values, errors
+
+
 def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
     """Check every key, type, choice and required field; build the four argument objects."""
     table = _field_table()
-    errors = _value_errors(values, table, CHOICES, ARGUMENT_CLASSES[:3])
+    values, errors = canonical_names(values)
+    errors += _value_errors(values, table, CHOICES, ARGUMENT_CLASSES[:3])
+    for key, value in values.items():  # EncoderConfig's own checks (prompt_template, lengths...)
+        if key in SETTING_NAMES and key not in CHOICES and _matches(value, table[key][2]):
+            errors += [problem for problem in [value_problem(key, value)] if problem]
     for name in REQUIRED_TRAINING:
         if values.get(name) is None:
             errors.append(f"missing required field {name!r} (TrainingArguments)")
-    positive = ("max_seq_length", "lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives")
+    positive = ("lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives")
     for name in positive:
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if name == "num_negatives" else 1):
@@ -353,7 +394,10 @@ def field_docs() -> list[tuple[str, str, str, str]]:
                 default = repr(f.default_factory())
             else:
                 default = "required"
-            rows.append((cls.__name__, name, _describe(hints[name]), f"{default}: {f.metadata.get('help', '')}"))
+            choices = CHOICES.get(name)
+            listed = f" One of {', '.join(str(c) for c in choices)}." if choices else ""
+            help_ = f"{default}: {f.metadata.get('help', '')}{listed}"
+            rows.append((cls.__name__, name, _describe(hints[name]), help_))
     return rows
 
 

@@ -26,16 +26,10 @@ def prepare_encoder(model_args, custom, training_args) -> Encoder:
         located(model_args.model_name_or_path),
         peft_model_name_or_path=peft_path,
         merge_peft=not continue_adapter,
-        enable_bidirectional=model_args.bidirectional,
-        pooling_mode=model_args.pooling_mode,
-        mask_readout_tokens=model_args.mask_readout_tokens,
-        max_length=model_args.max_seq_length,
-        doc_max_length=model_args.doc_max_length,
-        skip_instruction=model_args.skip_instruction,
         torch_dtype=model_args.torch_dtype,
         attn_implementation=model_args.attn_implementation,
-        prompt_template=model_args.prompt_template,
         device=training_args.device,
+        **model_args.encoder_settings(),
         **({"attention_dropout": custom.simcse_dropout} if custom.simcse_dropout is not None else {}),
     )
     if continue_adapter:

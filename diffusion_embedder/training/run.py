@@ -42,7 +42,7 @@ def experiment_id(cfg: TrainConfig) -> str:
     model = cfg.model.model_name_or_path.rstrip("/").split("/")[-1]
     return (
         f"{cfg.data.dataset_name}_train_m-{model}_p-{cfg.model.pooling_mode}_b-{global_batch}"
-        f"_l-{cfg.model.max_seq_length}_bidirectional-{cfg.model.bidirectional}_e-{_number(t.num_train_epochs)}"
+        f"_l-{cfg.model.max_length}_bidirectional-{cfg.model.enable_bidirectional}_e-{_number(t.num_train_epochs)}"
         f"_s-{t.seed}_w-{t.warmup_steps}_lr-{t.learning_rate}_lora_r-{cfg.custom.lora_r}"
     )
 
