@@ -13,9 +13,10 @@ and its weights are renamed at load; settings Llama cannot express are refused, 
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from transformers import (
 )
 from transformers.utils import cached_file
 
+from diffusion_embedder.config import read_json_object as read_json_file
 from diffusion_embedder.dtypes import resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -186,18 +188,6 @@ def find_file(name_or_path: str, filename: str, **hub_kwargs) -> str | None:
         return None
 
 
-def read_json_file(path: str) -> dict:
-    """A JSON object from ``path``; a broken or non-object file is a ValueError naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore or re-download the file.") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}.")
-    return value
-
-
 def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
     """config.json as plain JSON: safe for remote-code checkpoints (Dream), local folder or hub name."""
     if os.path.isdir(name_or_path):
@@ -318,6 +308,28 @@ def check_attention(model: PreTrainedModel, expect_bidirectional: bool) -> None:
     logger.debug("Attention self-test passed (%s, relative change %.2e)", model.config._attn_implementation, delta)
 
 
+#: Weights of a causal-LM checkpoint that the encoder trunk leaves out (the LM head), by name.
+LM_HEAD_KEY = re.compile(r"(^|\.)lm_head\.")
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
+
+@contextlib.contextmanager
+def _own_load_report():
+    """Silence transformers' load table (it lists the LM head we drop on purpose); ``load_backbone`` reports
+    what matters from the loading info itself: missing tensors refuse the load, other unused ones warn."""
+    target = logging.getLogger("transformers.modeling_utils")
+    report_filter = _DropLoadReport()
+    target.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        target.removeFilter(report_filter)
+
+
 def load_backbone(
     name_or_path: str,
     enable_bidirectional: bool = True,
@@ -354,7 +366,11 @@ def load_backbone(
             raise ValueError(f"{name_or_path}: the LM stages do not support {spec.model_type} checkpoints yet.")
         load_kwargs["key_mapping"] = spec.key_mapping
     auto = AutoModelForCausalLM if lm_head else AutoModel
-    model, info = auto.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    with _own_load_report():
+        model, info = auto.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    unexpected = sorted(k for k in info["unexpected_keys"] if lm_head or not LM_HEAD_KEY.search(k))
+    if unexpected:  # the LM head of a *ForCausalLM checkpoint is expected to stay behind: not reported
+        logger.warning("%s: %d tensor(s) not used by the model: %s", name_or_path, len(unexpected), unexpected[:5])
     if info["missing_keys"]:  # transformers would fill them with random values: a silently different encoder
         missing = sorted(info["missing_keys"])
         raise OSError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
+from diffusion_embedder import __version__, clihelp
 from diffusion_embedder.training.stages import STAGES
 
 COMMANDS = {
@@ -20,7 +21,7 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: diffusion-embedder <command> [args...]", "", "commands:"]
+    lines = [f"usage: {clihelp.PROG} <command> [args...] | --version", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"{clihelp.PROG} {__version__}")
         return 0
     if argv[0] not in COMMANDS:
         print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)

@@ -191,17 +191,23 @@ def value_problem(key: str, value: typing.Any) -> str | None:
     return None
 
 
+def read_json_object(path: str) -> dict:
+    """A JSON object from ``path``; a broken or non-object file is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore or re-download the file.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}.")
+    return value
+
+
 def read_settings(path: str | None, keys: typing.Iterable[str] | None = None) -> dict:
     """Settings from a JSON file (``keys``: only those), types checked; errors name the file and key."""
     if path is None:
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(values).__name__}.")
+    values = read_json_object(path)
     if keys is not None:
         values = {k: v for k, v in values.items() if k in keys}
     return check_values(values, path)

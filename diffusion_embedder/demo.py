@@ -26,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from diffusion_embedder import clihelp
 from diffusion_embedder.demo_model import TinyModelConfig, make_tiny_dream
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,9 @@ def run_demo(settings: DemoSettings) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=clihelp.prog("demo"), description=__doc__, formatter_class=clihelp.HelpFormatter
+    )
     parser.add_argument("--output_dir", default="runs/demo", help="checkpoints, results and report go here")
     parser.add_argument("--max_queries", type=int, default=200)
     parser.add_argument("--max_steps", type=int, default=None, help="override the demo configs' step count")

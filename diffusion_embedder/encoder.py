@@ -36,6 +36,7 @@ from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
+    SEPARATOR,
     TextInput,
     eos_suffix_for,
     known_settings,
@@ -242,6 +243,12 @@ class Encoder(nn.Module):
     def _eos_suffix(self) -> str:
         """LLM2Vec appends an EOS string for ``eos_token`` pooling only (``last_token`` pools the text's own end)."""
         return (self.config.eos_suffix or "") if self.config.pooling_mode == "eos_token" else ""
+
+    def prepare_for_tokenization(self, text: str) -> str:
+        """LLM2Vec's: ``text`` (``instruction !@#$%^&*()text`` or plain) with the chat template and, for
+        ``eos_token`` pooling, the EOS string applied; the separator stays where it was."""
+        full, span = render(parse_input(text, 0), self.config.prompt_template, self._eos_suffix())
+        return full[: len(full) - len(span)] + SEPARATOR + span if SEPARATOR in text else full
 
     def _token_ids(self, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
         """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""
@@ -555,13 +562,20 @@ class Encoder(nn.Module):
         return state
 
     # ------------------------------------------------------------------ saving
-    def save(self, output_path: str, merge_before_save: bool = False, *, format: str = "encoder") -> None:
+    def save(
+        self, output_path: str, merge_before_save: bool = False, save_config: bool = True, *, format: str = "encoder"
+    ) -> None:
         """Write an encoder folder: weights or adapter (safetensors), tokenizer, configs and a model card.
 
-        With ``merge_before_save`` a LoRA adapter is merged into the weights first (the encoder then
-        holds the merged model). ``format="sentence-transformers"`` also makes the folder a
-        sentence-transformers model (merged; see ``diffusion_embedder.export``).
+        LLM2Vec's signature. With ``merge_before_save`` a LoRA adapter is merged into the weights first
+        (the encoder then holds the merged model); such a folder also loads in LLM2Vec 0.2.3 (the
+        tokenizer and config files are written in forms transformers 4.4x reads). ``save_config=False``
+        leaves out ``llm2vec_config.json`` and ``encoder_config.json`` (the settings), as LLM2Vec does.
+        ``format="sentence-transformers"`` also makes the folder a sentence-transformers model (merged;
+        see ``diffusion_embedder.export``).
         """
+        from diffusion_embedder.legacy import write_legacy_files
+
         if format != "encoder":
             from diffusion_embedder.export import export
 
@@ -577,13 +591,15 @@ class Encoder(nn.Module):
         else:
             config = config.replace(merged_adapters=[])
         self.tokenizer.save_pretrained(output_path)
+        write_legacy_files(output_path)
         if self.latent is not None:
             state = {k: v.detach().cpu().contiguous() for k, v in self.latent.state_dict().items()}
             save_file(state, os.path.join(output_path, POOLING_WEIGHTS))
-        with open(os.path.join(output_path, LLM2VEC_CONFIG), "w", encoding="utf-8") as f:
-            json.dump({k: getattr(config, k) for k in LLM2VEC_KEYS}, f, indent=2)
-        with open(os.path.join(output_path, ENCODER_CONFIG), "w", encoding="utf-8") as f:
-            json.dump(config.to_dict(), f, indent=2)
+        if save_config:
+            with open(os.path.join(output_path, LLM2VEC_CONFIG), "w", encoding="utf-8") as f:
+                json.dump({k: getattr(config, k) for k in LLM2VEC_KEYS}, f, indent=2)
+            with open(os.path.join(output_path, ENCODER_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(config.to_dict(), f, indent=2)
         from diffusion_embedder.export import write_model_card
 
         write_model_card(self, output_path)

@@ -33,6 +33,7 @@ NON_DEFAULT = {
     "enable_bidirectional": False,
     "prompt_template": "<u>{text}</u>",
     "eos_suffix": "</s>",
+    "mask_readout_tokens": 3,
     "latent_num_latents": 4,
     "latent_num_heads": 2,
     "prompts": {"query": "Find the passage"},
@@ -150,13 +151,13 @@ def test_wrong_value_in_a_settings_file_names_file_and_key(tmp_path, filename, k
 def test_malformed_settings_file_names_the_file(tmp_path):
     path = tmp_path / "llm2vec_config.json"
     path.write_text('{"max_length": 5')
-    with pytest.raises(ValueError, match="llm2vec_config.json: not valid JSON"):
+    with pytest.raises(ValueError, match="llm2vec_config.json is not valid JSON"):
         read_settings(str(path))
 
 
 # ------------------------------------------------------------------ derived fields reach the encoder
 def test_training_model_arguments_are_derived_and_reach_the_encoder():
-    from diffusion_embedder.training.trainer import prepare_encoder
+    from diffusion_embedder.training.model import prepare_encoder
 
     names = {f.name for f in dataclasses.fields(ModelArguments)}
     assert {f.name for f in setting_fields()} <= names
@@ -172,10 +173,190 @@ def test_training_model_arguments_are_derived_and_reach_the_encoder():
 def test_eval_flags_are_derived_and_reach_the_encoder():
     argv = ["--base_model_name_or_path", str(LLAMA_FIXTURE), "--local_task", "x", "--device", "cpu"]
     for key, value in NON_DEFAULT.items():
-        text = json.dumps(value) if isinstance(value, dict) else str(value).lower() if isinstance(value, bool) else value
-        argv += [f"--{key}", str(text)]
+        text = json.dumps(value) if isinstance(value, dict) else str(value)
+        argv += [f"--{key}", text.lower() if isinstance(value, bool) else text]
     args = eval_run.parse_args(argv)
     encoder = eval_run.load_encoder(args)
     assert {k: getattr(encoder.config, k) for k in NON_DEFAULT} == NON_DEFAULT
     unset = eval_run.parse_args(["--local_task", "x"])
     assert eval_run.encoder_overrides(unset) == {}  # the checkpoint's own settings apply
+
+
+# ------------------------------------------------------------------ --help, usage names, --version
+def _help(argv, capsys) -> str:
+    from diffusion_embedder import cli
+
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def _parsers():
+    """Every argparse parser behind ``diffusion-embedder eval | report | demo | reasonaug [stage]``."""
+    import argparse
+
+    from diffusion_embedder import demo
+    from diffusion_embedder.evaluation import report
+    from diffusion_embedder.reasonaug import cli as reasonaug_cli
+
+    captured = {}
+    for name, module in (("report", report), ("demo", demo)):
+        real = argparse.ArgumentParser.parse_args
+
+        def grab(self, args=None, namespace=None, _name=name):
+            captured[_name] = self
+            raise SystemExit(0)
+
+        argparse.ArgumentParser.parse_args = grab
+        try:
+            with pytest.raises(SystemExit):
+                module.main([])
+        finally:
+            argparse.ArgumentParser.parse_args = real
+    yield ["eval"], eval_run.build_parser()
+    yield ["report"], captured["report"]
+    yield ["demo"], captured["demo"]
+    reasonaug = reasonaug_cli.build_parser()
+    yield ["reasonaug"], reasonaug
+    subparsers = next(a for a in reasonaug._actions if isinstance(a, argparse._SubParsersAction))
+    for stage, parser in subparsers.choices.items():
+        yield ["reasonaug", stage], parser
+
+
+def _entries(text: str) -> dict[str, str]:
+    """Option -> its help entry (argparse puts a long option's help on the next line)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("-"):
+            current = stripped.split()[0].rstrip(",")
+            if current == "-h":
+                current = "--help"
+            entries[current] = stripped
+        elif current and line.startswith("   ") and stripped:
+            entries[current] += " " + stripped
+        else:
+            current = None
+    return entries
+
+
+def test_help_of_every_subcommand_lists_every_option_with_default_and_choices(capsys, monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option
+    for argv, parser in _parsers():
+        text = _help([*argv, "--help"], capsys)
+        assert text.startswith(f"usage: diffusion-embedder {' '.join(argv)} "), text[:80]
+        for action in parser._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:
+                continue
+            line = _entries(text)[action.option_strings[-1]]
+            assert "default: " in line, (argv, line)
+            for choice in action.choices or ():
+                assert str(choice) in line, (argv, line)
+
+
+def test_train_help_lists_every_config_field_with_default_and_choices(capsys):
+    from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, CHOICES
+
+    text = _help(["train", "--help"], capsys)
+    assert text.startswith("usage: diffusion-embedder train CONFIG.json")
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  --")}
+    for cls in ARGUMENT_CLASSES[:3]:
+        for f in dataclasses.fields(cls):
+            line = lines[f"--{f.name}"]
+            default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING else (
+                repr(f.default) if f.default is not dataclasses.MISSING else repr(f.default_factory())
+            )
+            assert f"(default: {default}" in line, line
+            for choice in CHOICES.get(f.name, ()):
+                assert str(choice) in line, line
+    assert "--prompt_template" in lines and "--max_length" in lines  # EncoderConfig's fields are there
+
+
+def test_version(capsys):
+    from diffusion_embedder import __version__
+
+    assert _help(["--version"], capsys).strip() == f"diffusion-embedder {__version__}"
+
+
+# ------------------------------------------------------------------ loading reports only what matters
+def test_loading_a_causal_lm_checkpoint_prints_no_load_report(caplog, capfd):
+    """The fixture holds lm_head.weight (a *ForCausalLM checkpoint): dropping it is expected, not reported."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
+    shown = caplog.text + capfd.readouterr().err
+    assert "LOAD REPORT" not in shown and "UNEXPECTED" not in shown and "lm_head" not in shown
+
+
+def test_an_unused_tensor_other_than_the_head_is_still_reported(tmp_path, caplog):
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "extra"
+    shutil.copytree(LLAMA_FIXTURE, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.stray.weight"] = torch.zeros(2)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        Encoder.from_pretrained(str(folder), device="cpu")
+    assert "1 tensor(s) not used by the model: ['model.stray.weight']" in caplog.text
+
+
+# ---------------------------------------------------------- LLM2Vec drop-in: its calls, attributes, saved folders
+def test_llm2vec_style_calls_positional_arguments_triples_and_attributes():
+    """Calls as in LLM2Vec's README and examples give the fixture's LLM2Vec vectors."""
+    import numpy as np
+
+    from diffusion_embedder import LLM2Vec
+
+    cases = json.loads((LLAMA_FIXTURE / "cases.json").read_text())
+    triple = next(c for c in cases if c.get("input_form") == "triple")
+    l2v = LLM2Vec.from_pretrained(str(LLAMA_FIXTURE), pooling_mode=triple["pooling_mode"],
+                                  skip_instruction=triple["skip_instruction"], max_length=triple["max_length"],
+                                  torch_dtype=torch.float32, device="cpu")
+    # encode(sentences, batch_size, show_progress_bar, convert_to_numpy, convert_to_tensor, device), positionally
+    out = l2v.encode(triple["inputs"], 3, False, True, False, "cpu")
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_allclose(out, np.array(triple["embeddings"]), atol=1e-4)
+    single = l2v.encode(triple["inputs"][0], 8, False)  # one [instruction, text, id] triple: one input
+    np.testing.assert_allclose(single.numpy(), out[:1], atol=1e-5)
+    # LLM2Vec's attributes and methods, with its meaning
+    assert (l2v.pooling_mode, l2v.max_length, l2v.doc_max_length, l2v.skip_instruction) == ("mean", 256, 400, True)
+    assert l2v.model is not None and l2v.tokenizer.padding_side == "left"
+    l2v.skip_instruction = False
+    assert l2v.config.skip_instruction is False and not np.allclose(l2v.encode(triple["inputs"][:2]).numpy(), out[:2])
+    with pytest.raises(ValueError, match="max_length: must be >= 1"):
+        l2v.max_length = 0
+    assert l2v.max_length == 256  # a refused value leaves the encoder as it was
+    features = l2v.tokenize([["Retrieve it", "a short text"], ["", "another"]])
+    assert {"input_ids", "attention_mask", "embed_mask"} <= set(features)
+    assert l2v.forward(features).shape == (2, 64)
+    l2v.pooling_mode = "eos_token"  # LLM2Vec appends " </s>" for eos_token pooling and keeps the separator
+    assert l2v.prepare_for_tokenization("Find it !@#$%^&*()the text ") == "Find it !@#$%^&*()the text </s>"
+    assert l2v.prepare_for_tokenization("plain") == "plain </s>"
+
+
+def test_saved_folder_is_written_in_forms_older_releases_read(tmp_path):
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32, device="cpu")
+    expected = encoder.encode([["Find it", "a quiet violin"], "plain"], show_progress_bar=False)
+    encoder.save(str(tmp_path / "enc"), merge_before_save=True)
+    tokenizer = json.loads((tmp_path / "enc" / "tokenizer.json").read_text())
+    assert all(isinstance(m, str) for m in tokenizer["model"]["merges"])  # tokenizers < 0.20
+    tokenizer_config = json.loads((tmp_path / "enc" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # not transformers 5's TokenizersBackend
+    assert json.loads((tmp_path / "enc" / "config.json").read_text())["rope_theta"] == 10000.0
+    assert (tmp_path / "enc" / "special_tokens_map.json").is_file()
+    reloaded = Encoder.from_pretrained(str(tmp_path / "enc"), torch_dtype=torch.float32, device="cpu")
+    torch.testing.assert_close(reloaded.encode([["Find it", "a quiet violin"], "plain"], show_progress_bar=False),
+                               expected, atol=1e-6, rtol=0)
+    encoder.save(str(tmp_path / "bare"), save_config=False)  # LLM2Vec's save_config
+    assert not (tmp_path / "bare" / "llm2vec_config.json").exists()
+    assert not (tmp_path / "bare" / "encoder_config.json").exists()

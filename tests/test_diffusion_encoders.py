@@ -92,7 +92,7 @@ def test_mask_readout_fits_max_length_and_round_trips(tmp_path):
 def test_mask_readout_is_refused_without_a_mask_token():
     with pytest.raises(ValueError, match="pooling_mode='mask_token' needs a backbone with a mask token"):
         mask_encoder(LLAMA_FIXTURE)
-    with pytest.raises(ValueError, match="mask_readout_tokens must be a positive integer"):
+    with pytest.raises(ValueError, match="mask_readout_tokens: must be >= 1, got 0"):
         mask_encoder(LLADA_FIXTURE, mask_readout_tokens=0)
 
 

@@ -322,7 +322,13 @@ def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, Res
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Table and bar charts of evaluation results, models side by side.")
+    from diffusion_embedder import clihelp
+
+    parser = argparse.ArgumentParser(
+        prog=clihelp.prog("report"),
+        description="Table and bar charts of evaluation results, models side by side.",
+        formatter_class=clihelp.HelpFormatter,
+    )
     parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of mteb_eval_custom.py, or results folders")
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
     args = parser.parse_args(argv)

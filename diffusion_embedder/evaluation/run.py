@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffusion_embedder import clihelp
 from diffusion_embedder.config import field_types as encoder_field_types
-from diffusion_embedder.config import default_of, matches_type, setting_fields, value_problem
+from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.tasks import resolve_task_names
 
@@ -90,7 +91,11 @@ def _str2bool(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data.")
+    p = argparse.ArgumentParser(
+        prog=clihelp.prog("eval"),
+        description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data.",
+        formatter_class=clihelp.HelpFormatter,
+    )
     p.add_argument("--base_model_name_or_path", help="base checkpoint, encoder folder or hub name")
     p.add_argument("--peft_model_name_or_path", help="LoRA adapter trained on top of the base")
     p.add_argument("--task_name", nargs="+", default=[], help="mteb task name(s); upstream Bright* names accepted")
@@ -153,7 +158,7 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
             type=_setting_type(f.name),
             default=None,
             metavar=f.name.upper(),
-            help=f"{f.metadata['help']} (default: {f.default!r}{extra})",
+            help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default!r}{extra})",
         )
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
 from pathlib import Path
 
+from diffusion_embedder import clihelp
 from diffusion_embedder.data.jsonl import Field
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.contamination import (
@@ -62,8 +64,14 @@ def _add_stage_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m diffusion_embedder.reasonaug", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog=clihelp.prog("reasonaug"), description=__doc__, formatter_class=clihelp.HelpFormatter
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=clihelp.HelpFormatter),
+    )
     for name, help_text in LLM_STAGES.items():
         _add_stage_args(sub.add_parser(name, help=help_text))
 

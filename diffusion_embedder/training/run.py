@@ -14,9 +14,10 @@ import sys
 import torch.distributed as dist
 from transformers import set_seed
 
+from diffusion_embedder import clihelp
 from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
 from diffusion_embedder.losses import loss_from_config
-from diffusion_embedder.training.arguments import ConfigError, TrainConfig, parse_args
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, CHOICES, ConfigError, TrainConfig, parse_args
 from diffusion_embedder.training.checkpoints import find_last_checkpoint, is_complete_checkpoint
 from diffusion_embedder.training.model import prepare_encoder
 from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError, StopAfterNStepsCallback
@@ -25,9 +26,15 @@ logger = logging.getLogger(__name__)
 
 RESUME_LAST = ("last", "latest", "auto", "true")
 USAGE = (
-    "usage: [torchrun --nproc_per_node=N] experiments/run_supervised.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: model/data/custom fields and Hugging Face TrainingArguments (see train_configs/)."
+    f"usage: {clihelp.prog('train')} CONFIG.json [--key value ...]\n"
+    "   or: torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]\n"
+    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (see train_configs/);\n"
+    "--key value pairs override the file. LLM2Vec's names max_seq_length and bidirectional are accepted."
 )
+
+
+def help_text() -> str:
+    return USAGE + "\n" + clihelp.fields_help(ARGUMENT_CLASSES[:3], CHOICES)
 
 
 def _number(value: float) -> str:
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(help_text() if argv else USAGE)
         return 0 if argv else 2
     try:
         cfg = parse_args(argv)

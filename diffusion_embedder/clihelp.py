@@ -1,0 +1,54 @@
+"""Help output shared by the ``diffusion-embedder`` subcommands: their names in usage lines, every default shown."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import typing
+
+PROG = "diffusion-embedder"
+
+
+def prog(command: str) -> str:
+    """The usage-line name of a subcommand, e.g. ``diffusion-embedder eval``."""
+    return f"{PROG} {command}"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (and its choices, when they are not in the metavar)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"  # argparse prints nothing for an option without help
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = (action.help or "").strip()
+        if action.choices and action.metavar is not None and "one of" not in help_:
+            help_ += f" (one of {', '.join(map(str, action.choices))})"
+        if "%(default)" not in help_ and "default:" not in help_ and action.default is not argparse.SUPPRESS:
+            if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+                help_ += " (default: %(default)s)"
+        return help_
+
+
+def fields_help(classes: typing.Iterable[type], choices: dict[str, tuple] | None = None) -> str:
+    """One line per dataclass field: ``--name TYPE (default: ...; one of ...) help``."""
+    lines = []
+    for cls in classes:
+        lines.append(f"\n{cls.__name__}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                default = repr(f.default_factory())
+            else:
+                default = "required"
+            allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
+            listed = f"; one of {', '.join(map(str, allowed))}" if allowed else ""
+            type_name = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
+            lines.append(f"  --{f.name} {type_name} (default: {default}{listed})  {f.metadata.get('help', '')}")
+    return "\n".join(lines)
