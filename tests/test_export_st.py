@@ -28,7 +28,8 @@ TEXTS = [
 ]
 FIXTURES = {"llama": LLAMA_FIXTURE, "Dream": DREAM_FIXTURE}
 #: Settings sentence-transformers' Transformer + Pooling compute exactly (the rest need our module).
-STOCK = {("mean", False), ("weighted_mean", False), ("bos_token", False), ("bos_token", True)}
+STOCK = {("mean", False), ("weighted_mean", False), ("bos_token", False), ("bos_token", True), ("last_token", False),
+         ("last_token", True)}  # last_token appends nothing (as LLM2Vec), so the stock module is exact
 
 
 def load_st(path, **kwargs) -> SentenceTransformer:
