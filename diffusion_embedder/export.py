@@ -34,6 +34,9 @@ ST_POOLING_MODES = {
     "eos_token": "lasttoken",
     "last_token": "lasttoken",
 }
+#: What llm2vec 0.2.3 runs bidirectionally (its Qwen2BiModel only under flash_attention_2) and pools.
+LLM2VEC_BACKBONES = ("llama", "mistral", "gemma")
+LLM2VEC_POOLING_MODES = ("mean", "weighted_mean", "eos_token", "last_token", "bos_token")
 #: Modes that pool the text span only when ``skip_instruction`` is on.
 SPAN_POOLING_MODES = ("mean", "weighted_mean")
 ST_TRANSFORMER = "sentence_transformers.base.modules.transformer.Transformer"
@@ -193,6 +196,43 @@ def _settings_table(encoder: Encoder) -> str:
     return "\n".join(["| setting | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
 
+def llm2vec_blockers(encoder: Encoder, is_adapter: bool) -> list[str]:
+    """Why LLM2Vec 0.2.3 would not give this encoder's vectors (empty: its recipe goes in the model card)."""
+    config = encoder.config
+    blockers = []
+    weights_type = getattr(encoder.model.config, "model_type", config.model_type)
+    if config.model_type not in LLM2VEC_BACKBONES or weights_type not in LLM2VEC_BACKBONES:
+        blockers.append(
+            f"it runs {config.model_type!r} bidirectionally only as Llama, Mistral or Gemma (its Qwen2 model stays "
+            "causal under SDPA and eager attention)"
+        )
+    if config.pooling_mode not in LLM2VEC_POOLING_MODES:
+        blockers.append(f"it has no {config.pooling_mode!r} pooling")
+    if config.prompt_template:
+        blockers.append("it applies chat templates by hub name only, not this folder's prompt_template")
+    if is_adapter and len(config.merged_adapters) > 1:
+        blockers.append(f"it merges one adapter under this one, not {len(config.merged_adapters)}")
+    return blockers
+
+
+def _llm2vec_section(encoder: Encoder, path: str, is_adapter: bool) -> str:
+    blockers = llm2vec_blockers(encoder, is_adapter)
+    if blockers:
+        return (
+            "## LLM2Vec\n\nThe llm2vec package (0.2.3) would not reproduce this encoder: " + "; ".join(blockers) + ". "
+            "`from diffusion_embedder import LLM2Vec` is a drop-in with LLM2Vec's API that does."
+        )
+    config = encoder.config
+    causal = "" if config.enable_bidirectional else ", enable_bidirectional=False"
+    if not is_adapter:
+        call = f'"{path}"{causal}'
+    else:
+        # An adapter trained over an LLM2Vec -mntp folder: LLM2Vec merges the adapter stored in that folder first.
+        base = config.merged_adapters[0] if config.merged_adapters else config.base_model_name_or_path
+        call = f'"{base}", peft_model_name_or_path="{path}"{causal}'
+    return f"## LLM2Vec\n\n```python\nfrom llm2vec import LLM2Vec\n\nmodel = LLM2Vec.from_pretrained({call})\n```"
+
+
 def _base_loading(model_type: str, base: str) -> str:
     """How to load the bare base model for peft: Dream and LLaDA need our loader (their releases are remote code)."""
     if model_type in ("Dream", "llada"):
@@ -255,11 +295,8 @@ def model_card(encoder: Encoder, path: str, sentence_transformers: str | None = 
             "## sentence-transformers\n\nExport first: `diffusion-embedder export "
             f"{path} OUT --format sentence-transformers`, then `SentenceTransformer(OUT)`."
         )
+    sections.append(_llm2vec_section(encoder, path, is_adapter))
     if is_adapter:
-        sections.append(
-            "## LLM2Vec\n\n```python\nfrom llm2vec import LLM2Vec\n\n"
-            f'model = LLM2Vec.from_pretrained("{base}", peft_model_name_or_path="{path}")\n```'
-        )
         merged = (
             f" The adapters {', '.join(config.merged_adapters)} must be merged into the base first, in that order."
             if config.merged_adapters
@@ -270,10 +307,6 @@ def model_card(encoder: Encoder, path: str, sentence_transformers: str | None = 
             + _base_loading(config.model_type, base)
             + f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
             "This gives token states; pooling and the input format are the settings above." + merged
-        )
-    else:
-        sections.append(
-            f'## LLM2Vec\n\n```python\nfrom llm2vec import LLM2Vec\n\nmodel = LLM2Vec.from_pretrained("{path}")\n```'
         )
     return "\n\n".join(sections) + "\n"
 
