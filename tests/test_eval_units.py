@@ -198,6 +198,15 @@ def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
         check_identity(tmp_path, {"weights": "bbb", "settings": {"pooling_mode": "mean"}})
     # the same weights loaded from another folder are the same checkpoint
     check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean", "base_model_name_or_path": "/x"}})
+    # the record is not a *.json (mteb's ResultCache reads those as results); an older folder's identity.json is
+    # renamed on the next run, and still guards the folder
+    assert [p.name for p in tmp_path.iterdir()] == ["identity.jsonl"]
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "identity.json").write_text(json.dumps({"weights": "aaa", "settings": {"pooling_mode": "mean"}}))
+    with pytest.raises(RuntimeError, match="holds results of another checkpoint"):
+        check_identity(older, {"weights": "bbb", "settings": {"pooling_mode": "mean"}})
+    assert [p.name for p in older.iterdir()] == ["identity.jsonl"]
 
 
 # ------------------------------------------------------------------ local data

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf_datasets_"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -124,6 +125,46 @@ def test_editing_a_local_task_file_scores_the_task_again(tmp_path, edit):
         assert second.score != pytest.approx(first.score)
     stored = json.loads(next(out.rglob(f"{TASK}.json")).read_text())
     assert stored["dataset_revision"] == load_local_task(str(folder)).metadata.revision
+
+
+def test_a_hub_task_scores_again_when_its_dataset_revision_differs(tmp_path):
+    """Hub tasks carry mteb's dataset revision (plus, for a --data_dir copy, a fingerprint of its files); a stored
+    result of another revision is not reused."""
+    from test_eval_hub_layout import write_repo
+
+    write_repo(tmp_path / "data" / "mteb" / "BRIGHT", {
+        "documents": {"biology": [{"id": "x1", "content": "mitosis v=1,0"}, {"id": "x2", "content": "enzymes v=0,1"}]},
+        "examples": {"biology": [{"id": "b1", "query": "why do cells divide? v=1,0", "reasoning": "",
+                                  "excluded_ids": ["N/A"], "gold_ids": ["x1"], "gold_ids_long": ["x1"]}]},
+    })
+    args = run.EvalArguments(output_dir=str(tmp_path / "out"), data_dir=str(tmp_path / "data"), no_embedding_cache=True,
+                             task_name=["BrightBiologyRetrieval"], show_progress_bar=False)
+
+    def score():
+        stand_in = VectorStandIn()
+        model = MTEBEncoder(stand_in, name="test/vectors", revision="hub")
+        outcome = run.evaluate(model, run.task_factories(args), args)
+        return outcome, stand_in.calls
+
+    first, c = score()
+    print("CALLS", c)
+    assert first.scores["BrightBiologyRetrieval"] == pytest.approx(1.0)
+    result = next((tmp_path / "out").rglob("BrightBiologyRetrieval.json"))
+    revision = json.loads(result.read_text())["dataset_revision"]
+    assert revision == run.task_factories(args)[0][1]().metadata.revision  # mteb's own revision of the task
+    _, calls = score()
+    assert calls == []  # same revision: reused
+    stored = json.loads(result.read_text())
+    result.write_text(json.dumps({**stored, "dataset_revision": "an-older-revision"}))
+    _, calls = score()
+    assert calls, "a result of another dataset revision must not be reused"
+    assert json.loads(result.read_text())["dataset_revision"] == revision
+    # an edited local copy (--data_dir) is other data: scored again, on the edited rows (not datasets' old cache)
+    examples = tmp_path / "data" / "mteb" / "BRIGHT" / "examples" / "biology.jsonl"
+    examples.write_text(examples.read_text().replace("why do cells divide? v=1,0", "why do cells divide? v=0,1"))
+    edited, calls = score()
+    assert calls and {t for call in calls for _, t in call} >= {"why do cells divide? v=0,1"}
+    assert edited.scores["BrightBiologyRetrieval"] == pytest.approx(1 / np.log2(3), abs=1e-5)  # x1 now second
 
 
 # ------------------------------------------------------------------ two results for one column

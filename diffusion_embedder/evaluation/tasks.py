@@ -6,12 +6,15 @@ fixed by this file, whatever later mteb versions add to their benchmark objects.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
 import json
 import logging
 import os
 import re
 from importlib import resources
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +171,45 @@ def get_mteb_task(name: str, data_dir: str | None = None):
             f"{os.path.join(data_dir, hf_path)} or {os.path.join(data_dir, hf_path.split('/')[-1])} "
             "(a clone of the hub dataset repository)."
         )
-    metadata = cls.metadata.model_copy(update={"dataset": {**cls.metadata.dataset, "path": local}})
-    local_cls = type(cls.__name__, (cls,), {"metadata": metadata})
-    logger.info("%s: reading %s", name, local)
+    fingerprint = copy_fingerprint(local)
+    revision = f"{cls.metadata.dataset.get('revision')}+local-{fingerprint}"
+    dataset = {**cls.metadata.dataset, "path": local, "revision": revision}
+    metadata = cls.metadata.model_copy(update={"dataset": dataset})
+
+    def load_data(self, *args, **kwargs):
+        with datasets_cache(fingerprint):
+            return cls.load_data(self, *args, **kwargs)
+
+    local_cls = type(cls.__name__, (cls,), {"metadata": metadata, "load_data": load_data})
+    logger.info("%s: reading %s (local copy %s)", name, local, fingerprint)
     return local_cls()
+
+
+def copy_fingerprint(folder: str) -> str:
+    """Hash of every file's path, size and modification time under a local dataset copy (cheap on GBs).
+
+    It names the copy in the results (``dataset_revision`` = hub revision + this) and in the ``datasets``
+    cache: ``datasets`` keys a local folder's Arrow cache by the folder's name and relative file names, so
+    an edited or different copy of the same repository would otherwise be served from an older copy's cache.
+    """
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != ".git")
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            digest.update(f"{os.path.relpath(path, folder)}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def datasets_cache(fingerprint: str):
+    """``datasets``' cache folder moved, for this block, to one subfolder per local copy."""
+    import datasets
+
+    saved = datasets.config.HF_DATASETS_CACHE
+    datasets.config.HF_DATASETS_CACHE = Path(saved) / "diffusion_embedder_local_copies" / fingerprint
+    try:
+        yield
+    finally:
+        datasets.config.HF_DATASETS_CACHE = saved
