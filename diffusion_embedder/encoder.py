@@ -411,9 +411,9 @@ class Encoder(nn.Module):
 
         Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
         (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
-        the benchmark showed it faster) each batch is instead one padding-free row of length-sorted
-        texts, at most ``max_tokens_per_batch`` tokens (default per device in
-        ``packing.DEFAULT_PACK_LENGTH``; ``batch_size`` is then unused); the embeddings are the same.
+        the benchmark showed it faster) texts are instead packed without padding into rows as wide
+        as the longest text (at most ``packing.MAX_ROW_LENGTH``), ``batch_size`` rows per forward
+        (or as many as fit ``max_tokens_per_batch``); the embeddings are the same.
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
         (done automatically when several GPUs are visible).
         """
@@ -437,11 +437,12 @@ class Encoder(nn.Module):
             collate = self._collate
             check_batch_size(batch_size)
             if packing_mod.use_packing(packing, self.model, device_type, max(lengths)):
-                pack_length = max_tokens_per_batch
-                if pack_length is None:
-                    pack_length = packing_mod.DEFAULT_PACK_LENGTH.get(device_type, 4096)
-                batches = packing_mod.sequential_packs(lengths, pack_length)
-                collate = functools.partial(self._collate_packed, pack_length=pack_length)
+                width = packing_mod.row_length(lengths, device_type)
+                rows = batch_size
+                if max_tokens_per_batch is not None:
+                    rows = max(1, packing_mod.check_positive("max_tokens_per_batch", max_tokens_per_batch) // width)
+                batches = packing_mod.plan_batches(lengths, width, rows)
+                collate = functools.partial(self._collate_packed, pack_length=width)
             else:
                 batches = length_batches(lengths, batch_size, max_tokens_per_batch)
             if len(devices) > 1:

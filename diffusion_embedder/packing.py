@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 #: The key that marks a feature dict as packed.
 PACKED_KEY = "unpack_index"
-#: Row length (tokens) of packed encoding per device type when ``max_tokens_per_batch`` is not given:
-#: bench/results/encode.md (CPU). GPU rows are longer so one forward fills the device (see README).
-DEFAULT_PACK_LENGTH = {"cpu": 1024, "cuda": 8192}
+#: Upper bound on the row width of packed encoding per device type (a dense block mask holds
+#: rows x width^2 entries); texts longer than this are encoded in rows of their own, without a mask.
+MAX_ROW_LENGTH = {"cpu": 4096, "cuda": 8192}
 PACKING_CHOICES = ("auto", True, False)
 
 
@@ -55,24 +55,38 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def sequential_packs(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Indices, longest first, cut into consecutive groups of at most ``capacity`` tokens: one row each.
+def check_positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return value
 
-    Neighbours in length order share a row, so no row is padded at all.
+
+def row_length(lengths: Sequence[int], device_type: str) -> int:
+    """Row width for packed encoding: the longest text, so attention per token costs no more than padded,
+    bounded by ``MAX_ROW_LENGTH`` (dense masks cost rows x width^2); longer texts get rows of their own."""
+    return max(1, min(max(lengths), MAX_ROW_LENGTH.get(device_type, 8192)))
+
+
+def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> list[list[int]]:
+    """Text indices per forward: rows of at most ``width`` tokens (first-fit decreasing), fullest rows first,
+    ``rows_per_batch`` rows per forward; a text longer than ``width`` is a forward of its own (it needs no mask).
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"max_tokens_per_batch (the pack length) must be an integer >= 1, got {capacity!r}.")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    packs: list[list[int]] = []
-    used = 0
-    for i in order:
-        if packs and used + lengths[i] <= capacity:
-            packs[-1].append(i)
-            used += lengths[i]
-        else:
-            packs.append([i])
-            used = lengths[i]
-    return packs
+    check_positive("rows_per_batch", rows_per_batch)
+    rows = pack_rows(lengths, check_positive("pack row length", width))
+    rows.sort(key=lambda row: -sum(lengths[i] for i in row))
+    batches: list[list[int]] = []
+    group: list[list[int]] = []
+    for row in rows:
+        if sum(lengths[i] for i in row) > width:
+            batches.append(row)
+            continue
+        if len(group) == rows_per_batch:
+            batches.append([i for r in group for i in r])
+            group = []
+        group.append(row)
+    if group:
+        batches.append([i for r in group for i in r])
+    return batches
 
 
 def pack(sequences: Sequence[tuple[Sequence[int], int]], capacity: int, pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -79,8 +79,11 @@ def test_pack_rows_and_features_layout():
     assert all(sum(lengths[i] for i in r) <= 120 for r in rows)
     assert len(rows) == 3  # 100+20, 100+7+5+3(+0), 60
     assert packing_mod.pack_rows([500, 10], 64) == [[0], [1]]  # too long: a row of its own
-    packs = packing_mod.sequential_packs(lengths, 90)
-    assert [sorted(lengths[i] for i in p) for p in packs] == [[100], [100], [7, 20, 60], [0, 3, 5]]
+    batches = packing_mod.plan_batches(lengths, 60, rows_per_batch=2)
+    # rows of <= 60 tokens, fullest first, two per forward; each 100-token text is a forward of its own
+    assert [sorted(lengths[i] for i in b) for b in batches] == [[0, 100], [100], [3, 5, 7, 20, 60]]
+    one_row_each = packing_mod.plan_batches(lengths, 60, 1)
+    assert [sorted(lengths[i] for i in b) for b in one_row_each][2:] == [[60], [3, 5, 7, 20]]
 
     features = packing_mod.pack([([11, 12, 13], 2), ([21], 1), ([31, 32], 0)], capacity=4, pad_token_id=0)
     assert features["input_ids"].tolist() == [[11, 12, 13, 21], [31, 32, 0, 0]]
@@ -112,7 +115,7 @@ def test_packing_choice_is_validated_and_auto_follows_the_table():
     encoder = load(LLAMA_FIXTURE, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="packing must be one of"):
         encoder.encode(TEXTS, packing="yes", show_progress_bar=False)
-    with pytest.raises(ValueError, match="pack length.*got 0"):
+    with pytest.raises(ValueError, match="max_tokens_per_batch must be an integer >= 1, got 0"):
         encoder.encode(TEXTS, packing=True, max_tokens_per_batch=0, show_progress_bar=False)
     model = encoder.model
     assert packing_mod.use_packing("auto", model, "cpu", 10) is packing_mod.AUTO_PACKING[("cpu", "sdpa")]

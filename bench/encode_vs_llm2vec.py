@@ -1,0 +1,192 @@
+"""Our ``encode`` against LLM2Vec 0.2.3 on the same CPU, model weights and texts, in one run.
+
+A random 4-layer, 256-wide bidirectional Llama (the llm2vec_parity tokenizer, vocab 1024) encodes
+512 real mixed-length ReasonAug texts with mean pooling, max_length 512, doc_max_length 400,
+batch size 32, 2 threads. Every run is a fresh process; the runs are interleaved (ours, LLM2Vec,
+ours, ...) so a change in machine load hits both, and the load average is printed with each run.
+LLM2Vec runs in its own virtual environment (transformers 4.44.2), built on first use at
+``$LLM2VEC_ENV`` (default ``.llm2vec-env``, git-ignored; the same one bench/compat_llm2vec.sh uses):
+
+    LLM2VEC_ENV=/work/refenv/llm2vec python bench/encode_vs_llm2vec.py --out bench/results/encode_vs_llm2vec.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "tests" / "fixtures" / "llm2vec_parity" / "llama"
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "reasonaug"
+REFENV_PACKAGES = [
+    "torch==2.13.0", "transformers==4.44.2", "tokenizers==0.19.1", "llm2vec==0.2.3", "peft==0.12.0",
+    "accelerate==0.33.0", "numpy<2",
+]
+MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+SETTINGS = dict(pooling_mode="mean", max_length=512, doc_max_length=400, skip_instruction=True)
+
+
+def refenv_python() -> Path:
+    """The reference environment's interpreter, building the environment first if it is missing."""
+    env = Path(os.environ.get("LLM2VEC_ENV", REPO / ".llm2vec-env"))
+    python = env / "bin" / "python"
+    if not python.exists():
+        print(f"Building the LLM2Vec reference environment at {env} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", *REFENV_PACKAGES], check=True)
+    return python
+
+
+def load_texts(data: Path, limit: int) -> list[str]:
+    sys.path.insert(0, str(REPO / "bench"))
+    from encode import load_corpus
+
+    return load_corpus(data, limit)
+
+
+# ----------------------------------------------------------------------------------- workers
+def run_llm2vec(work: Path, threads: int, batch_size: int) -> dict:
+    import torch
+    from llm2vec import LLM2Vec
+    from llm2vec.models import LlamaBiModel
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    torch.set_num_threads(threads)
+    config = LlamaConfig(**MODEL)
+    config._attn_implementation = "sdpa"
+    model = LlamaBiModel(config)
+    model.load_state_dict(load_file(str(work / "model.safetensors")))
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    encoder = LLM2Vec(model.eval(), tokenizer, **SETTINGS)
+    pairs = [["", t] for t in json.loads((work / "texts.json").read_text())]
+    features = encoder.tokenize([encoder._convert_to_str(*p) for p in pairs])
+    tokens = int(features["attention_mask"].sum())
+    encoder.encode(pairs[:8], batch_size=4, show_progress_bar=False)  # warm-up
+    start = time.perf_counter()
+    out = encoder.encode(pairs, batch_size=batch_size, show_progress_bar=False)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens, "embeddings": out.tolist()}
+
+
+def run_ours(work: Path, threads: int, batch_size: int, packing: bool) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaModel
+
+    from diffusion_embedder import Encoder
+    from diffusion_embedder.backbones import check_attention, load_tokenizer, set_bidirectional
+
+    torch.set_num_threads(threads)
+    model = LlamaModel(LlamaConfig(**MODEL, attn_implementation="sdpa"))
+    model.load_state_dict(load_file(str(work / "model.safetensors")))
+    set_bidirectional(model, True)
+    check_attention(model, expect_bidirectional=True)
+    encoder = Encoder(model.eval(), load_tokenizer(str(TOKENIZER)), model_type="llama", **SETTINGS)
+    pairs = [["", t] for t in json.loads((work / "texts.json").read_text())]
+    from diffusion_embedder.templates import parse_inputs
+
+    tokens = sum(len(t.input_ids) for t in encoder._tokenize_items(parse_inputs(pairs), 400, warn=False))
+    encoder.encode(pairs[:8], batch_size=4, show_progress_bar=False, packing=packing)  # warm-up
+    start = time.perf_counter()
+    out = encoder.encode(pairs, batch_size=batch_size, show_progress_bar=False, packing=packing)
+    return {"seconds": time.perf_counter() - start, "tokens": tokens, "embeddings": out.tolist()}
+
+
+# ----------------------------------------------------------------------------------- driver
+def make_weights(work: Path, texts: list[str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**MODEL))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(work / "model.safetensors"))
+    (work / "texts.json").write_text(json.dumps(texts))
+
+
+def launch(python: Path, work: Path, name: str, args: argparse.Namespace) -> dict:
+    command = [str(python), __file__, "--worker", name, "--work", str(work), "--threads", str(args.threads),
+               "--batch-size", str(args.batch_size)]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads))
+    if name == "llm2vec":
+        env.pop("PYTHONPATH", None)
+    load = os.getloadavg()[0]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
+    if out.returncode:
+        raise RuntimeError(f"{name} worker failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result.update(name=name, load=load)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--num-texts", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        if args.worker == "llm2vec":
+            result = run_llm2vec(args.work, args.threads, args.batch_size)
+        else:
+            result = run_ours(args.work, args.threads, args.batch_size, packing=args.worker == "ours-packed")
+        print(json.dumps(result))
+        return
+
+    import numpy as np
+
+    reference = refenv_python()
+    texts = load_texts(args.data, args.num_texts)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        make_weights(work, texts)
+        runs = []
+        for _ in range(args.repeats):
+            for name, python in (("ours-packed", sys.executable), ("llm2vec", reference),
+                                 ("ours-padded", sys.executable)):
+                runs.append(launch(Path(python), work, name, args))
+                r = runs[-1]
+                print(f"{name}: {r['seconds']:.1f} s, {r['tokens'] / r['seconds']:.0f} tokens/s, "
+                      f"load {r['load']:.2f}", flush=True)
+    best = {}
+    for r in runs:
+        if r["name"] not in best or r["seconds"] < best[r["name"]]["seconds"]:
+            best[r["name"]] = r
+    ref = np.array(best["llm2vec"]["embeddings"])
+    lines = ["| encoder | real tokens | best of runs (s) | all runs (s) | tokens/s | speed-up vs LLM2Vec | "
+             "load average at start |", "|---|---:|---:|---|---:|---:|---|"]
+    for name in ("llm2vec", "ours-padded", "ours-packed"):
+        r = best[name]
+        times = ", ".join(f"{x['seconds']:.1f}" for x in runs if x["name"] == name)
+        loads = ", ".join(f"{x['load']:.2f}" for x in runs if x["name"] == name)
+        ratio = best["llm2vec"]["seconds"] / r["seconds"]
+        lines.append(f"| {name} | {r['tokens']} | {r['seconds']:.1f} | {times} | {r['tokens'] / r['seconds']:.0f} | "
+                     f"{ratio:.2f}x | {loads} |")
+    agreement = []
+    for name in ("ours-padded", "ours-packed"):
+        mine = np.array(best[name]["embeddings"])
+        cos = (mine * ref).sum(-1) / np.linalg.norm(mine, axis=-1) / np.linalg.norm(ref, axis=-1)
+        agreement.append(f"- {name} vs LLM2Vec: cosine >= 0.99999 for {(cos >= 0.99999).sum()} of {len(cos)} texts "
+                         f"(the others are cut by doc_max_length, by words in LLM2Vec and by tokens here)")
+    report = "\n".join([*lines, "", *agreement])
+    print(report)
+    if args.out:
+        args.out.write_text(report + "\n")
+
+
+if __name__ == "__main__":
+    main()
