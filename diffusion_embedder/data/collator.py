@@ -27,11 +27,19 @@ class ContrastiveCollator:
     ``B * num_negatives`` rows, sample-major (rows ``i*k .. i*k+k-1`` belong to sample ``i``), so
     ``embeddings.view(B, k, -1)`` gives the (B, K, d) negatives the losses take: one shape from the
     collator to the loss, whatever K is.
+
+    ``pack_length``: padding-free training. Each column's texts are packed into rows of at most this
+    many tokens (``diffusion_embedder.packing``; the callable is then called with ``pack_length=``);
+    the encoder's forward gives the same embeddings, so losses and gradients are the padded path's.
     """
 
-    def __init__(self, tokenizer: Any, num_negatives: int = 1):
+    def __init__(self, tokenizer: Any, num_negatives: int = 1, pack_length: int | None = None):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
+        if pack_length is not None and (isinstance(pack_length, bool) or not isinstance(pack_length, int)
+                                        or pack_length < 1):
+            raise ValueError(f"pack_length must be an integer >= 1 or None, got {pack_length!r}")
+        self.pack_length = pack_length
         tokenize = getattr(tokenizer, "tokenize", tokenizer)
         if not callable(tokenize):
             raise TypeError(f"tokenizer must be an Encoder or a callable, got {type(tokenizer).__name__}")
@@ -39,7 +47,9 @@ class ContrastiveCollator:
         self.num_negatives = num_negatives
 
     def _features(self, pairs: Sequence[Pair]) -> Features:
-        return self.tokenize([list(p) for p in pairs])
+        if self.pack_length is None:
+            return self.tokenize([list(p) for p in pairs])
+        return self.tokenize([list(p) for p in pairs], pack_length=self.pack_length)
 
     def __call__(self, samples: Sequence[TrainSample]) -> dict[str, Features]:
         if not samples:

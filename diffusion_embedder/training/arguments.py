@@ -129,6 +129,10 @@ class CustomArguments:
     simcse_dropout: float | None = field(
         default=None, metadata={"help": "Backbone attention dropout (SimCSE's two views; upstream 0.3)."}
     )
+    pack_length: int | None = field(
+        default=None,
+        metadata={"help": "Padding-free training: pack each text column into rows of at most this many tokens."},
+    )
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
@@ -332,7 +336,7 @@ def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
     for name in REQUIRED_TRAINING:
         if values.get(name) is None:
             errors.append(f"missing required field {name!r} (TrainingArguments)")
-    positive = ("lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives")
+    positive = ("lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives", "pack_length")
     for name in positive:
         value = values.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value < (0 if name == "num_negatives" else 1):

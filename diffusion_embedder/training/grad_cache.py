@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from diffusion_embedder.packing import is_packed, split_packed
+
 Features = dict[str, torch.Tensor]
 
 
@@ -39,7 +41,9 @@ class RandState:
 
 
 def split_features(features: Features, chunk_size: int) -> list[Features]:
-    """Row chunks of a tokenized batch, each cut to its own width (left padding)."""
+    """Chunks of ``chunk_size`` texts: padded rows cut to their own width, or packed texts packed again."""
+    if is_packed(features):
+        return split_packed(features, chunk_size)
     chunks = []
     rows = features["input_ids"].shape[0]
     for start in range(0, rows, chunk_size):

@@ -111,7 +111,7 @@ def train(cfg: TrainConfig) -> str:
         model=encoder,
         args=t,
         train_dataset=dataset,
-        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives),
+        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=cfg.custom.pack_length),
         loss_fn=loss_fn,
         grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
         group_by=cfg.data.group_by,

@@ -129,7 +129,8 @@ def text_columns(inputs: dict[str, Any]) -> tuple[list[Features], int]:
     negatives = inputs.get("negatives")
     if negatives is None:
         return columns, 0
-    return [*columns, negatives], negatives["input_ids"].shape[0] // inputs["query"]["input_ids"].shape[0]
+    # attention_mask has one row per text, padded or packed
+    return [*columns, negatives], negatives["attention_mask"].shape[0] // inputs["query"]["attention_mask"].shape[0]
 
 
 def assemble(reps: list[torch.Tensor], num_negatives: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
