@@ -81,6 +81,7 @@ def far_candidate_task(folder: Path, n_above: int = 1100) -> Path:
 def test_default_top_k_ranks_every_candidate_for_p_mrr_and_the_flag_cuts_it(tmp_path, stand_in):
     folder = far_candidate_task(tmp_path / "far")
     assert cli_eval(tmp_path / "default", "--local_task", str(folder), "--no_embedding_cache") == 0
+    assert (tmp_path / "default" / "results" / "test__vectors" / "r0" / "FarCandidates.json").is_file()  # name, rev
     assert stored_score(tmp_path / "default", "FarCandidates") == pytest.approx(1 - 1 / 1101, abs=1e-5)
     assert cli_eval(tmp_path / "cut", "--local_task", str(folder), "--top_k", "1000", "--no_embedding_cache") == 0
     assert stored_score(tmp_path / "cut", "FarCandidates") == pytest.approx(1 - 1 / 1001, abs=1e-5)
@@ -131,28 +132,34 @@ def tiny_cli_run(tmp_path_factory):
     """The ReasonAug fixture task through ``eval`` with the real tiny checkpoint, lengths overridden, every
     forward's token counts recorded; and the same without the overrides."""
     seen: dict[str, list[tuple[int, int]]] = {}
+    state: dict[str, set] = {}
     real_forward = Encoder.forward
 
     def forward(self, features):
         seen[current].append((int(features["attention_mask"].sum(1).max()), int(features["embed_mask"].sum(1).max())))
+        state[current].add((next(self.parameters()).dtype, self.config.pooling_mode, self.config.enable_bidirectional))
         return real_forward(self, features)
 
     Encoder.forward = forward
     try:
-        for current, flags in (("default", ()), ("override", ("--max_length", "48", "--doc_max_length", "6"))):
-            seen[current] = []
+        overrides = ("--max_length", "48", "--doc_max_length", "6", "--torch_dtype", "bfloat16",
+                     "--pooling_mode", "weighted_mean", "--enable_bidirectional", "false")
+        for current, flags in (("default", ("--torch_dtype", "float32")), ("override", overrides)):
+            seen[current], state[current] = [], set()
             out = tmp_path_factory.mktemp(current)
             code = cli.main(["eval", "--base_model_name_or_path", str(LLAMA_FIXTURE), "--local_task", str(REASONAUG),
-                             "--output_dir", str(out), "--device", "cpu", "--torch_dtype", "float32",
-                             "--batch_size", "64", "--no_progress_bar", "--no_embedding_cache", *flags])
+                             "--output_dir", str(out), "--device", "cpu", "--batch_size", "64", "--no_progress_bar",
+                             "--no_embedding_cache", *flags])
             assert code == 0
     finally:
         Encoder.forward = real_forward
-    return seen
+    return SimpleNamespace(seen=seen, state=state)
 
 
-def test_eval_length_flags_reach_the_tokenizer(tiny_cli_run):
-    default, override = tiny_cli_run["default"], tiny_cli_run["override"]
+def test_eval_encoder_flags_reach_the_encoder(tiny_cli_run):
+    assert tiny_cli_run.state["default"] == {(torch.float32, "mean", True)}
+    assert tiny_cli_run.state["override"] == {(torch.bfloat16, "weighted_mean", False)}
+    default, override = tiny_cli_run.seen["default"], tiny_cli_run.seen["override"]
     assert max(total for total, _ in default) > 48 and max(span for _, span in default) > 6  # the flags matter
     assert max(total for total, _ in override) <= 48
     assert max(span for _, span in override) == 6
