@@ -37,6 +37,7 @@ from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
     SEPARATOR,
+    PreparedText,
     TextInput,
     eos_suffix_for,
     known_settings,
@@ -246,9 +247,10 @@ class Encoder(nn.Module):
 
     def prepare_for_tokenization(self, text: str) -> str:
         """LLM2Vec's: ``text`` (``instruction !@#$%^&*()text`` or plain) with the chat template and, for
-        ``eos_token`` pooling, the EOS string applied; the separator stays where it was."""
+        ``eos_token`` pooling, the EOS string applied; the separator stays where it was. ``tokenize``
+        knows the result is prepared and adds neither again."""
         full, span = render(parse_input(text, 0), self.config.prompt_template, self._eos_suffix())
-        return full[: len(full) - len(span)] + SEPARATOR + span if SEPARATOR in text else full
+        return PreparedText(full[: len(full) - len(span)] + SEPARATOR + span if SEPARATOR in text else full)
 
     def _token_ids(self, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
         """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""

@@ -52,12 +52,19 @@ KNOWN_SETTINGS: dict[str, dict] = {
 }
 
 
+class PreparedText(str):
+    """A string ``Encoder.prepare_for_tokenization`` returned: template and EOS string already applied, so
+    ``tokenize`` takes it as it is (LLM2Vec's two steps, ``tokenize([prepare_for_tokenization(t)])``)."""
+
+
 @dataclass(frozen=True)
 class TextInput:
     """One input: the literal text before the pooled span, and the user's text."""
 
     prefix: str
     text: str
+    #: Template and EOS string already applied (a ``PreparedText``): ``render`` adds neither.
+    prepared: bool = False
 
 
 def _check_unicode(value: str, index: int, name: str) -> str:
@@ -75,10 +82,11 @@ def parse_input(item: object, index: int) -> TextInput:
     """Validate one ``encode`` input: a string (optionally with the separator) or an ``[instruction, text]`` pair."""
     if isinstance(item, str):
         _check_unicode(item, index, "text")
+        prepared = isinstance(item, PreparedText)
         if SEPARATOR in item:
             prefix, _, text = item.partition(SEPARATOR)
-            return TextInput(prefix, text.replace(SEPARATOR, ""))
-        return TextInput("", item)
+            return TextInput(prefix, text.replace(SEPARATOR, ""), prepared)
+        return TextInput("", str(item), prepared)
     if isinstance(item, list | tuple):
         if len(item) == 3 and isinstance(item[2], int) and not isinstance(item[2], bool):
             item = item[:2]  # LLM2Vec's [instruction, text, id] triples (MEDI): it reads the first two
@@ -124,6 +132,8 @@ def placeholder_token(tokenizer) -> int:
 def render(item: TextInput, template: str | None, eos_suffix: str) -> tuple[str, str]:
     """The full string to tokenize and the part of it that is pooled (LLM2Vec's text after the separator)."""
     marked = f"{item.prefix}{SEPARATOR}{item.text}"
+    if item.prepared:
+        template, eos_suffix = None, ""
     if template:
         marked = template.replace("{text}", marked.strip())
     if eos_suffix:

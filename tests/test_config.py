@@ -342,6 +342,12 @@ def test_llm2vec_style_calls_positional_arguments_triples_and_attributes():
     l2v.pooling_mode = "eos_token"  # LLM2Vec appends " </s>" for eos_token pooling and keeps the separator
     assert l2v.prepare_for_tokenization("Find it !@#$%^&*()the text ") == "Find it !@#$%^&*()the text </s>"
     assert l2v.prepare_for_tokenization("plain") == "plain </s>"
+    # LLM2Vec's two steps, tokenize(prepare_for_tokenization(x)), add the template and EOS string once
+    wrapped = LLM2Vec(l2v.model, l2v.tokenizer, pooling_mode="eos_token", prompt_template="<u>{text}</u>")
+    prepared = wrapped.prepare_for_tokenization("Find it !@#$%^&*()the text")
+    assert prepared == "<u>Find it !@#$%^&*()the text</u> </s>"
+    two_steps, direct = wrapped.tokenize([prepared]), wrapped.tokenize([["Find it", "the text"]])
+    assert all(torch.equal(two_steps[k], direct[k]) for k in ("input_ids", "attention_mask", "embed_mask"))
 
 
 def test_saved_folder_is_written_in_forms_older_releases_read(tmp_path):
