@@ -118,7 +118,7 @@ def test_two_process_mntp_run_writes_llm2vecs_mntp_layout(mntp_run):
 def test_encoder_merges_the_mntp_adapter(mntp_run):
     """The merged q_proj equals the base's plus the adapter's B @ A * alpha / r, by hand."""
     encoder = Encoder.from_pretrained(str(mntp_run), device="cpu")
-    assert encoder.config.merged_adapters == [str(mntp_run)] and encoder.config.enable_bidirectional
+    assert encoder.config.merged_adapters == (str(mntp_run),) and encoder.config.enable_bidirectional
     adapter = load_file(mntp_run / "adapter_model.safetensors")
     a = adapter["base_model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = adapter["base_model.model.layers.0.self_attn.q_proj.lora_B.weight"]
@@ -134,7 +134,7 @@ def test_supervised_run_starts_from_the_mntp_output(mntp_run, tmp_path):
     args = [str(TINY / "custom.json"), "--model_name_or_path", str(mntp_run), "--output_dir", str(tmp_path)]
     assert run.main([*args, "--max_steps", "2", "--save_steps", "2", "--report_to", "none"]) == 0
     encoder = Encoder.from_pretrained(str(tmp_path / "tiny_custom"), device="cpu")
-    assert encoder.config.merged_adapters == [str(mntp_run)]
+    assert encoder.config.merged_adapters == (str(mntp_run),)
     assert torch.isfinite(encoder.encode(TEXTS, show_progress_bar=False)).all()
 
 
@@ -196,7 +196,7 @@ def test_simcse_stage_runs_from_the_mntp_output_and_refuses_no_dropout(mntp_run,
     out = tmp_path / "tiny-mntp-simcse"
     assert json.loads((out / "train_config.json").read_text())["dataset_name"] == "Wiki1M"
     encoder = Encoder.from_pretrained(str(out), device="cpu")
-    assert encoder.config.merged_adapters == [str(mntp_run)]
+    assert encoder.config.merged_adapters == (str(mntp_run),)
     assert torch.isfinite(encoder.encode(TEXTS, show_progress_bar=False)).all()
 
 
