@@ -2,7 +2,8 @@
 
 ``save OUT``  (our environment): for each tiny encoder (Llama and Mistral fixtures x pooling modes x
               skip_instruction, plus one with a merged LoRA adapter) encode the inputs, save the merged
-              folder to OUT/<name>, and write OUT/<name>/expected.json.
+              folder to OUT/<name>, and write OUT/<name>/expected.json; one more LoRA encoder is saved
+              unmerged (an adapter folder, loaded over its base as the model card says).
 ``check OUT`` (LLM2Vec 0.2.3's environment, transformers 4.44.2): load each folder with
               ``LLM2Vec.from_pretrained``, encode the same inputs, print the largest difference per
               folder; exit status 1 when one exceeds the tolerance or fails to load.
@@ -40,10 +41,11 @@ def save(out: Path) -> None:
     from diffusion_embedder import Encoder
 
     fixtures = ROOT / "tests" / "fixtures" / "llm2vec_parity"
-    cases = [(f"{fx}-{mode}-skip{int(skip)}", fx, mode, skip, False) for fx in ("llama", "mistral")
+    cases = [(f"{fx}-{mode}-skip{int(skip)}", fx, mode, skip, False, True) for fx in ("llama", "mistral")
              for mode, skip in POOLING]
-    cases.append(("llama-mean-lora", "llama", "mean", True, True))
-    for name, fixture, mode, skip, lora in cases:
+    cases.append(("llama-mean-lora", "llama", "mean", True, True, True))
+    cases.append(("llama-mean-lora-adapter", "llama", "mean", True, True, False))
+    for name, fixture, mode, skip, lora, merge in cases:
         encoder = Encoder.from_pretrained(str(fixtures / fixture), pooling_mode=mode, skip_instruction=skip,
                                           torch_dtype=torch.float32, device="cpu")
         if lora:  # a trained-looking adapter: merged into the weights by save(merge_before_save=True)
@@ -55,8 +57,11 @@ def save(out: Path) -> None:
                         param.normal_(0, 0.05)
         expected = [encoder.encode(batch, batch_size=2, show_progress_bar=False).tolist() for batch in INPUTS]
         folder = out / name
-        encoder.save(str(folder), merge_before_save=True)
-        (folder / "expected.json").write_text(json.dumps({"inputs": INPUTS, "embeddings": expected}))
+        encoder.save(str(folder), merge_before_save=merge)
+        record = {"inputs": INPUTS, "embeddings": expected}
+        if not merge:  # LLM2Vec.from_pretrained(base, peft_model_name_or_path=folder)
+            record["base"] = str(fixtures / fixture)
+        (folder / "expected.json").write_text(json.dumps(record))
     print(f"saved {len(cases)} folders to {out}")
 
 
@@ -70,7 +75,9 @@ def check(out: Path) -> int:
     for folder in sorted(p for p in out.iterdir() if (p / "expected.json").is_file()):
         expected = json.loads((folder / "expected.json").read_text())
         try:
-            model = LLM2Vec.from_pretrained(str(folder), enable_bidirectional=True, torch_dtype=torch.float32)
+            base, adapter = (expected["base"], str(folder)) if "base" in expected else (str(folder), None)
+            model = LLM2Vec.from_pretrained(base, peft_model_name_or_path=adapter, enable_bidirectional=True,
+                                            torch_dtype=torch.float32)
             diff = 0.0
             for batch, vectors in zip(expected["inputs"], expected["embeddings"], strict=True):
                 got = model.encode(batch, batch_size=2, show_progress_bar=False).numpy()

@@ -611,10 +611,13 @@ class Encoder(nn.Module):
 
 def _describe_adapter(path: str, base_model_name_or_path: str) -> None:
     """Name the base as it was loaded (not a resolved cache path) and mark the adapter as an embedding model's."""
+    from diffusion_embedder.legacy import legacy_adapter_config
+
     adapter = _read_json(path)
     if base_model_name_or_path:
         adapter["base_model_name_or_path"] = base_model_name_or_path
     adapter["task_type"] = "FEATURE_EXTRACTION"
+    adapter = legacy_adapter_config(adapter)  # peft 0.12 (LLM2Vec 0.2.3) reads it too
     with open(path, "w", encoding="utf-8") as f:
         json.dump(adapter, f, indent=2)
 

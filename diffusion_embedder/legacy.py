@@ -1,12 +1,14 @@
 """Saved folders that older releases read too: LLM2Vec 0.2.3 runs on transformers 4.44 and tokenizers 0.19.
 
 transformers 5 writes a few things those releases cannot parse: BPE merges as pairs (tokenizers >= 0.20),
-``tokenizer_class: TokenizersBackend``, and RoPE settings only under ``rope_parameters``. The rewrite below
+``tokenizer_class: TokenizersBackend``, and RoPE settings only under ``rope_parameters``; peft 0.12 refuses
+the keys newer peft adds to ``adapter_config.json``. The rewrite below
 is lossless for the current releases, which read the older forms as well.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -76,3 +78,37 @@ def write_legacy_files(folder: str) -> None:
         if "dtype" in config and "torch_dtype" not in config:
             config["torch_dtype"] = config["dtype"]
         _dump(model_config_path, config)
+
+
+#: LoraConfig fields peft 0.12 (LLM2Vec 0.2.3's) knows; it refuses any other key in adapter_config.json.
+PEFT_012_LORA_FIELDS = frozenset(
+    (
+        "alpha_pattern auto_mapping base_model_name_or_path bias fan_in_fan_out inference_mode init_lora_weights "
+        "layer_replication layers_pattern layers_to_transform loftq_config lora_alpha lora_dropout megatron_config "
+        "megatron_core modules_to_save peft_type r rank_pattern revision runtime_config target_modules task_type "
+        "use_dora use_rslora"
+    ).split()
+)
+
+
+def legacy_adapter_config(adapter: dict) -> dict:
+    """Drop the keys newer peft writes at their default values (and ``peft_version``), so peft 0.12 reads the file.
+
+    A newer setting in use (not at its default) stays: peft 0.12 then refuses it by name rather than
+    loading another model.
+    """
+    if adapter.get("peft_type") != "LORA":
+        return adapter
+    from peft import LoraConfig
+
+    defaults = {}
+    for f in dataclasses.fields(LoraConfig):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return {
+        key: value
+        for key, value in adapter.items()
+        if key in PEFT_012_LORA_FIELDS or (key != "peft_version" and (key not in defaults or value != defaults[key]))
+    }

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from diffusion_embedder import Encoder
 from diffusion_embedder.cli import main as cli_main
 from diffusion_embedder.export import ENCODER_MODULE, ST_TRANSFORMER, save_sentence_transformers
+from diffusion_embedder.legacy import PEFT_012_LORA_FIELDS, legacy_adapter_config
 from diffusion_embedder.pooling import POOLING_MODES
 
 PROMPTS = {"query": "Given a math problem, retrieve the relevant theorem", "document": "  Represent the proof  "}
@@ -170,6 +171,13 @@ def test_custom_module_takes_model_kwargs_and_saves_again(tmp_path):
     assert max_diff(again.encode(TEXTS), short.encode(TEXTS, show_progress_bar=False)) < 1e-5
 
 
+def test_legacy_adapter_config_drops_only_defaults():
+    """Newer peft's keys at their defaults go (peft 0.12 would refuse them); one in use stays, to fail by name."""
+    written = {"peft_type": "LORA", "r": 4, "peft_version": "0.21", "alora_invocation_tokens": None,
+               "use_qalora": True, "lora_dropout": 0.0}
+    assert legacy_adapter_config(written) == {"peft_type": "LORA", "r": 4, "use_qalora": True, "lora_dropout": 0.0}
+
+
 @pytest.mark.parametrize("family", FIXTURES)
 def test_adapter_folder_card_and_config(tmp_path, family):
     """An adapter folder names its base as loaded, is a FEATURE_EXTRACTION adapter, carries our model card (not
@@ -184,6 +192,7 @@ def test_adapter_folder_card_and_config(tmp_path, family):
     adapter = json.loads((folder / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(FIXTURES[family])
     assert adapter["task_type"] == "FEATURE_EXTRACTION"
+    assert set(adapter) <= PEFT_012_LORA_FIELDS  # peft 0.12 (LLM2Vec 0.2.3) reads it: bench/compat_llm2vec.sh
     card = (folder / "README.md").read_text()
     assert "Model Card for Model ID" not in card
     for loader in ("Encoder.from_pretrained", "SentenceTransformer", "PeftModel"):
