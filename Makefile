@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint demo study clean
+.PHONY: install test test-gpu lint demo study clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,6 +16,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q
+
+# The GPU checks (tests marked gpu; they skip without CUDA). On a GPU machine without our venv, use
+# bench/gpu.sh, which installs the missing dependencies from .whl/ and also runs the 7B benchmarks.
+test-gpu:
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -m gpu
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) experiments/demo.py --output_dir runs/demo

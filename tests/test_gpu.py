@@ -1,0 +1,211 @@
+"""GPU checks (``make test-gpu``): dtypes, attention implementations, packing, device pool, GradCache RNG, 7B shapes.
+
+Every test is marked ``gpu`` and skips without CUDA (CI never has one). ``bench/gpu.sh`` runs them
+first on a GPU machine, then the 7B benchmarks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import FAMILIES, LLAMA_FIXTURE, default_attention
+
+from diffusion_embedder import Encoder
+from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_backbone, set_bidirectional
+from diffusion_embedder.pooling import POOLING_MODES
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)"),
+]
+
+TEXTS = [
+    ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
+    ["", "Two pointers sweep the array from both ends."],
+    "Short.",
+    ["Retrieve text based on user query", "What is the capital of France? It is a city on the Seine " * 3],
+    ["Find the formula", "x"],
+    "A second short one, a little longer than the first short one.",
+]
+#: Qwen2.5-7B (Dream-7B) and LLaDA-8B (run as a Llama-shaped model) with random weights.
+SHAPES_7B = {
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
+    "llada-8b": ("llama", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=32, vocab_size=126464)),
+}
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """TF32 matmuls would make float32 comparisons meaningless."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    torch.cuda.empty_cache()
+
+
+def load(path, **kwargs) -> Encoder:
+    kwargs.setdefault("torch_dtype", torch.float32)
+    return Encoder.from_pretrained(str(path), device="cuda", **kwargs)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_is_close_to_float32(family_checkpoint, family):
+    attn = default_attention(family)
+    full = load(family_checkpoint(family), attn_implementation=attn).encode(TEXTS, show_progress_bar=False)
+    half = load(family_checkpoint(family), attn_implementation=attn, torch_dtype=torch.bfloat16)
+    low = half.encode(TEXTS, show_progress_bar=False)
+    assert cosine(full, low).min() >= 0.999, (family, cosine(full, low))
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if default_attention(f) == "sdpa"])
+def test_sdpa_flex_and_eager_agree(family_checkpoint, family):
+    outputs = {
+        attn: load(family_checkpoint(family), attn_implementation=attn).encode(
+            TEXTS, packing=False, show_progress_bar=False
+        )
+        for attn in ("sdpa", "flex_attention", "eager")
+    }
+    for attn in ("flex_attention", "eager"):
+        assert torch.allclose(outputs[attn], outputs["sdpa"], atol=1e-4, rtol=0), attn
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_attention_self_test_under_bfloat16(family_checkpoint, family, bidirectional):
+    model = load_backbone(
+        str(family_checkpoint(family)), enable_bidirectional=bidirectional, torch_dtype=torch.bfloat16,
+        attn_implementation=default_attention(family), device_map="cuda",
+    )
+    check_attention(model, expect_bidirectional=bidirectional)  # raises on the wrong direction
+    set_bidirectional(model, not bidirectional)
+    with pytest.raises(AttentionSelfTestError, match="self-test failed"):
+        check_attention(model, expect_bidirectional=bidirectional)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_packed_equals_padded_on_gpu(attn, bidirectional):
+    base = load(LLAMA_FIXTURE, attn_implementation=attn, enable_bidirectional=bidirectional)
+    for mode in POOLING_MODES:
+        if mode == "mask_token":
+            continue  # the llama fixture has no mask token; Dream/LLaDA are covered on CPU
+        encoder = Encoder(base.model, base.tokenizer, replace(base.config, pooling_mode=mode, eos_suffix=None))
+        padded = encoder.encode(TEXTS, batch_size=2, packing=False, show_progress_bar=False)
+        packed = encoder.encode(TEXTS, max_tokens_per_batch=48, packing=True, show_progress_bar=False)
+        assert torch.allclose(packed, padded, atol=1e-4, rtol=0), (attn, mode, (packed - padded).abs().max())
+
+
+def test_device_pool_over_every_gpu_equals_one_device():
+    encoder = load(LLAMA_FIXTURE)
+    one = encoder.encode(TEXTS * 4, batch_size=2, device="cuda:0", show_progress_bar=False)
+    devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    try:
+        pooled = encoder.encode(TEXTS * 4, batch_size=2, device=devices, show_progress_bar=False)
+    finally:
+        encoder.stop_pool()
+    assert torch.allclose(pooled, one, atol=1e-5, rtol=0)
+
+
+def test_grad_cache_with_cuda_rng_states_equals_direct_path(tmp_path):
+    """LoRA dropout on the GPU draws from the CUDA generator; GradCache must replay those states too."""
+    from test_training_trainer import assert_same, make_trainer, step_grads
+
+    trainer = make_trainer(tmp_path, lora_dropout=0.3, use_cpu=False)
+    assert trainer.model.device.type == "cuda"
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    samples = [trainer.train_dataset[i] for i in range(6)]
+    inputs = trainer._prepare_inputs(trainer.data_collator(samples))
+    torch.cuda.manual_seed(0)
+    direct = step_grads(trainer, inputs, None)
+    for chunk in (2, 4):
+        torch.cuda.manual_seed(0)
+        assert_same(step_grads(trainer, inputs, chunk), direct, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------- 7B shapes
+def random_7b(shape: str, attn: str = "sdpa") -> Encoder:
+    from transformers import AutoConfig, AutoModel
+
+    from diffusion_embedder.backbones import load_tokenizer
+
+    model_type, dims = SHAPES_7B[shape]
+    config = AutoConfig.for_model(model_type, **dims, max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    set_bidirectional(model, True)
+    check_attention(model, expect_bidirectional=True)
+    return Encoder(model.eval(), load_tokenizer(str(LLAMA_FIXTURE)), model_type=model_type, max_length=32768,
+                   doc_max_length=32768)
+
+
+def random_text(tokens: int, encoder: Encoder, seed: int = 0) -> str:
+    """A text of about ``tokens`` tokens for the fixture tokenizer."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa"]
+    generator = torch.Generator().manual_seed(seed)
+    text = " ".join(words[i] for i in torch.randint(0, len(words), (tokens,), generator=generator).tolist())
+    ids = encoder.tokenizer(text, add_special_tokens=False)["input_ids"][: tokens - 2]
+    return encoder.tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module", params=list(SHAPES_7B))
+def big_encoder(request):
+    encoder = random_7b(request.param)
+    yield encoder
+    del encoder
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("length", [512, 4096])
+def test_7b_encodes_within_memory(big_encoder, length):
+    texts = [random_text(length, big_encoder, seed=i) for i in range(4)]
+    torch.cuda.reset_peak_memory_stats()
+    out = big_encoder.encode(texts, batch_size=4, show_progress_bar=False)
+    assert out.shape == (4, big_encoder.embedding_dim) and torch.isfinite(out).all()
+    assert torch.cuda.max_memory_allocated() < 0.95 * torch.cuda.get_device_properties(0).total_memory
+
+
+def test_7b_one_document_of_32768_tokens(big_encoder):
+    text = random_text(32768, big_encoder)
+    out = big_encoder.encode([text], show_progress_bar=False)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("length", [512, 4096])
+def test_7b_one_lora_step_within_memory(big_encoder, length):
+    from peft import LoraConfig, get_peft_model
+
+    from diffusion_embedder.losses import HardNegativeNLLLoss
+
+    backbone = big_encoder.model
+    lora = get_peft_model(backbone, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    encoder = Encoder(lora, big_encoder.tokenizer, big_encoder.config)
+    lora.enable_input_require_grads()
+    lora.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        encoder.train()
+        texts = [random_text(length, encoder, seed=i) for i in range(6)]
+        torch.cuda.reset_peak_memory_stats()
+        q, p, n = (encoder({k: v.cuda() for k, v in encoder.tokenize(texts[i::3]).items()}) for i in range(3))
+        loss = HardNegativeNLLLoss()(q, p, n.unsqueeze(1))
+        loss.backward()
+        assert torch.isfinite(loss)
+        assert torch.cuda.max_memory_allocated() < 0.95 * torch.cuda.get_device_properties(0).total_memory
+        grads = [p.grad for n_, p in lora.named_parameters() if "lora_" in n_]
+        assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    finally:
+        big_encoder.model = lora.unload()
+        big_encoder.model.gradient_checkpointing_disable()
+        big_encoder.eval()
