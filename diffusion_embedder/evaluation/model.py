@@ -40,31 +40,39 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def effective_state(module) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of the weights the forward pass uses, in name order.
+    """``(name, tensor)`` of the weights the forward pass uses, in name order, one tensor at a time.
 
     An unmerged LoRA layer is folded into its base weight exactly as ``merge_and_unload`` does (in
     place, in the base weight's dtype) and named as after merging, so an adapter kept beside its base
-    and the same adapter merged give the same tensors.
+    and the same adapter merged give the same tensors. Only one merged weight exists at a time.
     """
-    state = dict(module.state_dict())
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # pragma: no cover - peft is a dependency
         LoraLayer = ()  # noqa: N806
-    for name, sub in module.named_modules():
-        if not isinstance(sub, LoraLayer) or getattr(sub, "merged", False):
+    state = module.state_dict()
+    lora = {name: sub for name, sub in module.named_modules()
+            if isinstance(sub, LoraLayer) and not getattr(sub, "merged", False)}
+    sources: dict[str, str] = {}  # name after merging -> state_dict key
+    for key in state:
+        owner, sep, _ = key.partition(".lora_")
+        if sep and owner in lora:
             continue
-        weight = state.pop(f"{name}.base_layer.weight").clone()
-        for adapter in sub.active_adapters:
-            if adapter in sub.lora_A:
-                weight += sub.get_delta_weight(adapter).to(weight.device)
-        state[f"{name}.weight"] = weight
-        if f"{name}.base_layer.bias" in state:
-            state[f"{name}.bias"] = state.pop(f"{name}.base_layer.bias")
-        for key in [k for k in state if k.startswith(f"{name}.lora_")]:
-            del state[key]
-    for key in sorted(state):
-        yield key.replace("base_model.model.", "", 1), state[key]
+        final = key
+        for suffix in (".base_layer.weight", ".base_layer.bias"):
+            if key.endswith(suffix) and key[: -len(suffix)] in lora:
+                final = key[: -len(suffix)] + suffix.replace(".base_layer", "")
+        sources[final.replace("base_model.model.", "", 1)] = key
+    for final in sorted(sources):
+        key = sources[final]
+        tensor = state[key]
+        owner = key[: -len(".base_layer.weight")] if key.endswith(".base_layer.weight") else None
+        if owner in lora:
+            tensor = tensor.clone()
+            for adapter in lora[owner].active_adapters:
+                if adapter in lora[owner].lora_A:
+                    tensor += lora[owner].get_delta_weight(adapter).to(tensor.device)
+        yield final, tensor
 
 
 def weights_hash(module) -> str:
@@ -72,7 +80,7 @@ def weights_hash(module) -> str:
     import torch
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(effective_state(module)):
+    for name, tensor in effective_state(module):
         t = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(t.view(torch.uint8).numpy())
@@ -212,7 +220,8 @@ class MTEBEncoder(AbsEncoder):
         adapted = bool(settings.get("merged_adapters")) or (loaded_from is not None and loaded_from != base)
         n_parameters = memory = n_embedding = None
         if hasattr(encoder, "state_dict"):
-            tensors = [t for _, t in effective_state(encoder)]
+            # LoRA factors are folded into their base weights, so they add nothing
+            tensors = [t for k, t in encoder.state_dict().items() if ".lora_" not in k]
             n_parameters = sum(t.numel() for t in tensors)
             memory = round(sum(t.numel() * t.element_size() for t in tensors) / 2**20, 1)
             get_embeddings = getattr(getattr(encoder, "model", None), "get_input_embeddings", None)
