@@ -63,7 +63,9 @@ def test_round_trip(tmp_path, family, pooling_mode, skip_instruction):
     module = json.loads((tmp_path / "modules.json").read_text())[0]["type"]
     assert module == (ST_TRANSFORMER if (pooling_mode, skip_instruction) in STOCK else ENCODER_MODULE)
     model = load_st(tmp_path)
-    assert max_diff(model.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    ours = encoder.encode(TEXTS, show_progress_bar=False)
+    assert max_diff(model.encode(TEXTS), ours) < 1e-5
+    assert max_diff(model.encode(TEXTS, batch_size=2), ours) < 1e-5  # padded batches of other texts
     for name, instruction in PROMPTS.items():
         ours = encoder.encode(TEXTS, prompt_name=name, show_progress_bar=False)
         assert max_diff(ours, encoder.encode([[instruction, t] for t in TEXTS], show_progress_bar=False)) == 0
