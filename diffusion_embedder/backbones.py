@@ -361,9 +361,7 @@ def load_backbone(
         load_kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
         load_kwargs["device_map"] = device_map
-    if spec.key_mapping:
-        if lm_head:
-            raise ValueError(f"{name_or_path}: the LM stages do not support {spec.model_type} checkpoints yet.")
+    if spec.key_mapping:  # renames the LM head too (LLaDA's transformer.ff_out -> lm_head)
         load_kwargs["key_mapping"] = spec.key_mapping
     auto = AutoModelForCausalLM if lm_head else AutoModel
     with _own_load_report():

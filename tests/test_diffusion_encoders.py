@@ -171,3 +171,19 @@ def test_llada_sentence_transformers_export(tmp_path, pooling_mode):
     texts = [t if isinstance(t, str) else t[1] for t in TEXTS]
     got = torch.as_tensor(load_st(tmp_path).encode(texts))
     assert torch.allclose(got, encoder.encode(texts, show_progress_bar=False), atol=1e-5, rtol=0)
+
+
+def test_llada_mdm_stage_adapter_merges_into_the_encoder(tmp_path):
+    """LLaDA's own objective (masked diffusion, no shift) runs on the LM-head model; its adapter merges."""
+    from diffusion_embedder.training import pretrain
+
+    tiny = ROOT / "train_configs" / "tiny" / "mntp.json"
+    overrides = ["--model_name_or_path", str(LLADA_FIXTURE), "--objective", "mdm", "--mdm_shift", "false",
+                 "--max_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path), "--report_to", "none"]
+    assert pretrain.main([str(tiny), *overrides]) == 0
+    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "adapter_config.json").is_file()]
+    encoder = Encoder.from_pretrained(str(run_dir), device="cpu")
+    assert encoder.config.model_type == "llada" and encoder.config.merged_adapters == (str(run_dir),)
+    base = Encoder.from_pretrained(str(LLADA_FIXTURE), device="cpu")
+    after, before = (e.encode(TEXTS, show_progress_bar=False) for e in (encoder, base))
+    assert torch.isfinite(after).all() and not torch.allclose(after, before, atol=1e-4)
