@@ -86,3 +86,41 @@ def family_checkpoint(tmp_path_factory):
 def default_attention(family: str) -> str:
     """Gemma2's soft-capped attention has no SDPA path in transformers."""
     return "eager" if family == "gemma2" else "sdpa"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TRAIN_CONFIG = ROOT / "train_configs" / "tiny" / "custom.json"
+TINY_RUN_ID = "tiny_custom"
+
+
+def torchrun(output_dir: Path, *overrides: str, check: bool = True):
+    """``torchrun --nproc_per_node=2`` of the supervised entry point on the tiny config (CPU, gloo)."""
+    import os
+    import subprocess
+    import sys
+
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "experiments" / "run_supervised.py"),
+        str(TINY_TRAIN_CONFIG),
+        "--output_dir",
+        str(output_dir),
+        *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def tiny_full_run(tmp_path_factory) -> Path:
+    """The uninterrupted 2-process run of the tiny config (20 steps, 12 per epoch), shared by the tests."""
+    out = tmp_path_factory.mktemp("full")
+    torchrun(out)
+    return out / TINY_RUN_ID

@@ -53,7 +53,7 @@ def test_choices_are_checked_with_suggestions():
     assert "pooling_mode: 'meen' is not one of" in message and "did you mean 'mean'?" in message
     assert "lr_scheduler_type: 'linaer'" in message and "did you mean 'linear'?" in message
     assert "loss_class: 'Repllama'" in message and "'RepllamaLoss'" in message
-    assert "lora_r: must be positive" in errors_of({**MINIMAL, "lora_r": 0})
+    assert "lora_r: must be >= 1, got 0" in errors_of({**MINIMAL, "lora_r": 0})
 
 
 def test_valid_config_builds_all_groups_with_upstream_defaults():

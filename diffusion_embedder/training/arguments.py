@@ -133,6 +133,9 @@ class CustomArguments:
         default=None,
         metadata={"help": "Padding-free training: pack each text column into rows of at most this many tokens."},
     )
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Start afresh in a run folder that holds checkpoints (deletes them)."}
+    )
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
@@ -147,6 +150,61 @@ CHOICES = {
     "group_by": ("global", "device"),
     "loss_class": LOSS_CLASSES,
 }
+
+
+#: Numeric ranges checked with the rest of the config, before any model loads: ``(low, high)`` bounds,
+#: each ``(value, inclusive)`` or None.
+RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] = {
+    "per_device_train_batch_size": ((1, True), None),
+    "gradient_accumulation_steps": ((1, True), None),
+    "lora_r": ((1, True), None),
+    "lora_alpha": ((0, False), None),
+    "lora_dropout": ((0, True), (1, False)),
+    "learning_rate": ((0, False), None),
+    "max_seq_length": ((1, True), None),  # the LM stages' block length (supervised: EncoderConfig's max_length)
+    "grad_cache_chunk_size": ((1, True), None),
+    "pack_length": ((1, True), None),
+    "stop_after_n_steps": ((1, True), None),
+    "num_negatives": ((0, True), None),
+    "max_train_samples": ((1, True), None),
+    "loss_scale": ((0, False), None),
+    "num_train_epochs": ((0, False), None),
+    "warmup_steps": ((0, True), None),
+    "warmup_ratio": ((0, True), (1, True)),
+    "weight_decay": ((0, True), None),
+    "max_grad_norm": ((0, True), None),
+    "adam_epsilon": ((0, False), None),
+    "adam_beta1": ((0, True), (1, False)),
+    "adam_beta2": ((0, True), (1, False)),
+    "save_steps": ((0, False), None),
+    "logging_steps": ((0, False), None),
+    "save_total_limit": ((1, True), None),
+    "seed": ((0, True), None),
+    "dataloader_num_workers": ((0, True), None),
+}
+_NO_EVAL = "there is no evaluation during training yet; evaluate checkpoints with `diffusion-embedder eval`"
+#: Settings we accept in the config but cannot honour yet: the only value allowed, and why.
+UNSUPPORTED = {"eval_strategy": ("no", _NO_EVAL), "do_eval": (False, _NO_EVAL)}
+
+
+def range_errors(values: dict[str, Any], ranges: dict[str, tuple] = RANGES) -> list[str]:
+    """One message per numeric value outside its range, or unsupported setting, naming the field."""
+    errors = []
+    for name, (low, high) in ranges.items():
+        value = values.get(name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if low is not None and (value < low[0] or (value == low[0] and not low[1])):
+            errors.append(f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}")
+        if high is not None and (value > high[0] or (value == high[0] and not high[1])):
+            errors.append(f"{name}: must be {'<=' if high[1] else '<'} {high[0]}, got {value}")
+    max_steps = values.get("max_steps")
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps != -1 and max_steps < 1:
+        errors.append(f"max_steps: must be >= 1 (or -1 to train num_train_epochs), got {max_steps}")
+    for name, (allowed, why) in UNSUPPORTED.items():
+        if name in values and values[name] != allowed:
+            errors.append(f"{name}: {values[name]!r} is not supported ({why}); leave it at {allowed!r}")
+    return errors
 
 
 def _runtime_defaults() -> dict[str, Any]:
@@ -336,11 +394,7 @@ def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
     for name in REQUIRED_TRAINING:
         if values.get(name) is None:
             errors.append(f"missing required field {name!r} (TrainingArguments)")
-    positive = ("lora_r", "grad_cache_chunk_size", "stop_after_n_steps", "num_negatives", "pack_length")
-    for name in positive:
-        value = values.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < (0 if name == "num_negatives" else 1):
-            errors.append(f"{name}: must be positive, got {value}")
+    errors.extend(range_errors(values))
     if errors:
         raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(errors))
 
@@ -386,6 +440,23 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return load_config(argv[0], argv[1:])
 
 
+def default_value(key: str, classes: tuple[type, ...] = ARGUMENT_CLASSES) -> Any:
+    """The value a config key takes when the config leaves it out (None for a key ``classes`` do not know)."""
+    if key in TRAINING_DEFAULTS:
+        return TRAINING_DEFAULTS[key]
+    table = _field_table(classes)
+    if key not in table:
+        return None
+    f = table[key][1]
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return None
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def field_docs() -> list[tuple[str, str, str, str]]:
     """(group, field, type, default and help) rows of our own argument groups, for the README table."""
     rows = []
@@ -409,31 +480,19 @@ def field_docs() -> list[tuple[str, str, str, str]]:
 class StageSchema:
     """Another stage's config (MNTP / MDM / CLM): its own argument classes, then ``TrainingArguments``,
     checked by the same rules as supervised training (unknown keys, types, choices, required fields,
-    numeric ranges given as ``(low, high)`` with ``(bound, inclusive)`` or None)."""
+    numeric ranges: the shared ``RANGES`` plus the stage's own, given as ``(low, high)`` with
+    ``(bound, inclusive)`` or None)."""
 
     classes: tuple[type, ...]
     choices: dict[str, tuple] = field(default_factory=dict)
     ranges: dict[str, tuple] = field(default_factory=dict)
-    #: integer fields that must be >= 1 when set
-    positive: tuple[str, ...] = ("max_seq_length", "lora_r", "stop_after_n_steps", "max_train_samples")
 
     def validate(self, values: dict[str, Any], source: str = "config") -> list[Any]:
         """The argument objects, one per class, or a ``ConfigError`` listing every problem."""
         table = _field_table(self.classes)
         errors = _value_errors(values, table, self.choices, self.classes[:-1])
         errors += [f"missing required field {n!r} (TrainingArguments)" for n in REQUIRED_TRAINING if not values.get(n)]
-        for name in self.positive:
-            value = values.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                errors.append(f"{name}: must be >= 1, got {value}")
-        for name, (low, high) in self.ranges.items():
-            value = values.get(name)
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                continue
-            if low is not None and (value < low[0] or (value == low[0] and not low[1])):
-                errors.append(f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}")
-            if high is not None and (value > high[0] or (value == high[0] and not high[1])):
-                errors.append(f"{name}: must be {'<=' if high[1] else '<'} {high[0]}, got {value}")
+        errors += range_errors(values, {**RANGES, **self.ranges})
         if errors:
             raise ConfigError(f"Invalid {source}:\n  - " + "\n  - ".join(errors))
         groups: dict[type, dict[str, Any]] = {cls: {} for cls in self.classes}

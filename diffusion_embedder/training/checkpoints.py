@@ -4,7 +4,13 @@ Every checkpoint is an encoder folder (``Encoder.save``) that ``Encoder.from_pre
 the training-time settings, plus ``trainable.safetensors`` (the exact trainable tensors, for
 resuming), ``train_config.json`` (the config it was trained with) and, written last,
 ``checkpoint_complete.json``: a checkpoint without that marker was interrupted mid-write and is
-never resumed from.
+never resumed from. The marker is written only for a checkpoint whose trainable tensors are all
+finite (the loss of every step before it was checked), so "complete" also means "good".
+
+Resuming is exact or refused: ``validate_checkpoint`` checks that every file the Trainer needs to
+continue exactly (optimizer, scheduler, each rank's RNG state, trainer state, trainable tensors,
+config record) is there and readable, and ``config_differences`` that the checkpoint was trained
+with the same config, except the keys in ``RESUME_MAY_DIFFER``.
 """
 
 from __future__ import annotations
@@ -18,13 +24,42 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from diffusion_embedder.training.arguments import ConfigError, default_value
 
 logger = logging.getLogger(__name__)
 
 TRAINABLE_WEIGHTS = "trainable.safetensors"
 COMPLETE_MARKER = "checkpoint_complete.json"
 TRAIN_CONFIG = "train_config.json"
+#: Keys that may change when a run resumes: they steer logging, saving, stopping and where files go,
+#: not the weights; ``learning_rate`` because lowering it is the remedy after a NaN/inf stop.
+RESUME_MAY_DIFFER = frozenset(
+    {
+        "resume_from_checkpoint",
+        "overwrite_output_dir",
+        "output_dir",
+        "experiment_id",
+        "stop_after_n_steps",
+        "learning_rate",
+        "save_steps",
+        "save_strategy",
+        "save_total_limit",
+        "logging_steps",
+        "logging_strategy",
+        "logging_first_step",
+        "logging_dir",
+        "report_to",
+        "run_name",
+        "disable_tqdm",
+        "dataloader_num_workers",
+        "dataloader_persistent_workers",
+        "dataloader_prefetch_factor",
+    }
+)
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -90,7 +125,110 @@ def write_config(folder: str | os.PathLike, config: dict[str, Any]) -> None:
         json.dump(config, f, indent=2)
 
 
-def write_complete_marker(folder: str | os.PathLike, global_step: int) -> None:
+def write_complete_marker(folder: str | os.PathLike, global_step: int, world_size: int) -> None:
     """Called once every other file of the checkpoint is on disk (every rank's)."""
     with open(os.path.join(folder, COMPLETE_MARKER), "w", encoding="utf-8") as f:
-        json.dump({"global_step": global_step}, f)
+        json.dump({"global_step": global_step, "world_size": world_size}, f)
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed exactly; the message names the file and what to do."""
+
+
+def rng_files(world_size: int) -> list[str]:
+    """The Trainer's RNG state files: one per rank under torchrun, one file otherwise."""
+    return ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{rank}.pth" for rank in range(world_size)]
+
+
+def required_files(world_size: int) -> list[str]:
+    """Every file an exact resume reads, the completion marker last."""
+    return [
+        TRAINABLE_WEIGHTS,
+        OPTIMIZER_NAME,
+        SCHEDULER_NAME,
+        *rng_files(world_size),
+        TRAINER_STATE_NAME,
+        TRAIN_CONFIG,
+        COMPLETE_MARKER,
+    ]
+
+
+def _read(path: str) -> None:
+    """Raise if the file cannot be read back (missing, truncated, not of its format)."""
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    elif path.endswith(".safetensors"):
+        load_file(path)
+    else:
+        with safe_globals():
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def checkpoint_problem(folder: str | os.PathLike, world_size: int) -> str | None:
+    """Why ``folder`` cannot be resumed exactly by ``world_size`` ranks, or None if it can."""
+    try:
+        with open(os.path.join(folder, COMPLETE_MARKER), encoding="utf-8") as f:
+            saved_world = json.load(f).get("world_size", world_size)
+    except (OSError, ValueError, AttributeError):
+        saved_world = world_size  # reported below as missing or unreadable
+    if saved_world != world_size:
+        return f"{folder} was written by {saved_world} process(es), this run has {world_size}"
+    for name in required_files(world_size):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            if name == OPTIMIZER_NAME and os.path.isfile(os.path.join(folder, TRAINABLE_WEIGHTS)):
+                return f"{path} is missing (a run with save_only_model=true cannot resume exactly)"
+            return f"{path} is missing"
+        try:
+            _read(path)
+        except Exception as err:  # any reader error means the same thing: the file is damaged
+            return f"{path} is unreadable ({type(err).__name__}: {err})"
+    return None
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    match = _CHECKPOINT_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def previous_good_checkpoint(folder: str | os.PathLike, world_size: int) -> str | None:
+    """The newest checkpoint before ``folder`` (same run folder) that can be resumed exactly."""
+    step = checkpoint_step(folder)
+    for path in list_checkpoints(os.path.dirname(os.path.abspath(folder))):
+        earlier = step is None or checkpoint_step(path) < step
+        if earlier and is_complete_checkpoint(path) and checkpoint_problem(path, world_size) is None:
+            return path
+    return None
+
+
+def validate_checkpoint(folder: str | os.PathLike, world_size: int) -> None:
+    """Refuse a checkpoint that cannot be resumed exactly, naming the file and the previous good one."""
+    problem = checkpoint_problem(folder, world_size)
+    if problem is None:
+        return
+    previous = previous_good_checkpoint(folder, world_size)
+    hint = (
+        f"the previous complete checkpoint is {previous}: resume from it with --resume_from_checkpoint {previous}"
+        if previous
+        else "there is no earlier complete checkpoint to resume from"
+    )
+    raise CheckpointError(f"Cannot resume exactly from {folder}: {problem}; {hint}.")
+
+
+def config_differences(saved: dict[str, Any], current: dict[str, Any], ignore=RESUME_MAY_DIFFER) -> dict:
+    """``key -> (saved, current)`` for every setting that differs (absent keys count as their default)."""
+    out = {}
+    for key in sorted(set(saved) | set(current)):
+        if key in ignore:
+            continue
+        old = saved[key] if key in saved else default_value(key)
+        new = current[key] if key in current else default_value(key)
+        if old != new:
+            out[key] = (old, new)
+    return out
+
+
+def read_config(folder: str | os.PathLike) -> dict[str, Any]:
+    with open(os.path.join(folder, TRAIN_CONFIG), encoding="utf-8") as f:
+        return json.load(f)

@@ -1,7 +1,9 @@
 """``torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]``.
 
-Order matters: the config is validated first (no model is loaded for a bad config), then the data is
-read (a bad line stops the run before the model loads), then the encoder is built and trained.
+Order matters: the config is validated first (no model is loaded for a bad config), then the run
+folder and the checkpoint to resume from (``start_run``), then the data is read (a bad line stops
+the run before the model loads), then the encoder is built (``build_trainer``) and trained
+(``fit``). Another stage reuses ``start_run`` and ``fit`` with its own trainer.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import shutil
 import sys
+from typing import Any
 
 import torch.distributed as dist
 from transformers import set_seed
@@ -18,9 +22,24 @@ from diffusion_embedder import clihelp
 from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
 from diffusion_embedder.losses import loss_from_config
 from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, CHOICES, ConfigError, TrainConfig, parse_args
-from diffusion_embedder.training.checkpoints import find_last_checkpoint, is_complete_checkpoint
+from diffusion_embedder.training.checkpoints import (
+    RESUME_MAY_DIFFER,
+    TRAIN_CONFIG,
+    CheckpointError,
+    config_differences,
+    find_last_checkpoint,
+    is_complete_checkpoint,
+    list_checkpoints,
+    read_config,
+    validate_checkpoint,
+)
 from diffusion_embedder.training.model import prepare_encoder
-from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError, StopAfterNStepsCallback
+from diffusion_embedder.training.trainer import (
+    EncoderTrainer,
+    NonFiniteLossError,
+    RunTrainer,
+    StopAfterNStepsCallback,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,26 +73,65 @@ def experiment_id(cfg: TrainConfig) -> str:
     )
 
 
-def resolve_resume(value: str | None, output_dir: str) -> str | None:
-    """``last`` -> newest complete checkpoint in ``output_dir`` (None: start fresh); a path must be complete."""
+def resolve_resume(value: str | None, output_dir: str, config: dict[str, Any], world_size: int) -> str | None:
+    """The checkpoint to resume from, validated; None to start fresh.
+
+    ``last`` is the newest complete checkpoint in ``output_dir`` (None if there is none). A checkpoint
+    missing any file an exact resume needs, or trained with another config (apart from
+    ``RESUME_MAY_DIFFER``), stops the run with an error that says what to do.
+    """
     if value is None or value.lower() in ("false", "none", ""):
         return None
     if value.lower() in RESUME_LAST:
-        last = find_last_checkpoint(output_dir)
-        if last is None:
+        path = find_last_checkpoint(output_dir)
+        if path is None:
             logger.info("No complete checkpoint in %s: starting from scratch.", output_dir)
-        return last
-    if not is_complete_checkpoint(value):
-        raise ConfigError(
-            f"resume_from_checkpoint={value!r} is not a complete checkpoint (no checkpoint_complete.json); "
-            "use 'last' to pick the newest complete one."
+            return None
+    else:
+        path = value
+        if not os.path.isdir(path):
+            raise ConfigError(f"resume_from_checkpoint={value!r}: no such folder.")
+        if not is_complete_checkpoint(path):
+            raise ConfigError(
+                f"resume_from_checkpoint={value!r} is not a complete checkpoint (no checkpoint_complete.json); "
+                "use 'last' to pick the newest complete one."
+            )
+    validate_checkpoint(path, world_size)
+    differences = config_differences(read_config(path), config)
+    if differences:
+        listed = "; ".join(f"{key}: {old!r} there, {new!r} now" for key, (old, new) in differences.items())
+        raise CheckpointError(
+            f"{path} was trained with another config ({listed}). Resume with the settings it was trained with "
+            f"(these may change on resume: {', '.join(sorted(RESUME_MAY_DIFFER))}), or start the new run under "
+            "another output_dir or experiment_id."
         )
-    if not os.path.isfile(os.path.join(value, "optimizer.pt")):
+    changed = config_differences(read_config(path), config, ignore=())
+    if changed:
+        logger.info("Resuming %s with changed settings: %s", path, {k: v[1] for k, v in changed.items()})
+    return path
+
+
+def claim_run_folder(output_dir: str, config: dict[str, Any], overwrite: bool) -> None:
+    """A run folder belongs to one run: a fresh start in a folder holding another run's checkpoints (or
+    its final record) stops, unless ``overwrite`` (then they are deleted first)."""
+    checkpoints = list_checkpoints(output_dir)
+    record = os.path.join(output_dir, TRAIN_CONFIG)
+    if not checkpoints and not os.path.isfile(record):
+        return
+    held = f"{len(checkpoints)} checkpoint(s), newest {checkpoints[0]}" if checkpoints else f"a finished run ({record})"
+    if not overwrite:
+        same = os.path.isfile(record) and not config_differences(read_config(output_dir), config)
+        what = "this config" if same else "another config" if os.path.isfile(record) else "a run"
         raise ConfigError(
-            f"{value} holds no optimizer state (written with save_only_model=true), so the run cannot resume "
-            "exactly; set save_only_model to false for resumable runs."
+            f"{output_dir} already holds {held} of {what}. Continue it with --resume_from_checkpoint last, start "
+            "this run under another output_dir or experiment_id, or pass --overwrite_output_dir to delete them."
         )
-    return value
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        logger.warning("overwrite_output_dir: deleting %s in %s.", held, output_dir)
+        for path in checkpoints:
+            shutil.rmtree(path)
+        if os.path.isfile(record):
+            os.remove(record)
 
 
 def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
@@ -95,38 +153,60 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     return dataset, negatives
 
 
-def train(cfg: TrainConfig) -> str:
-    """Run one training; returns the run folder (its root holds the final encoder)."""
+def start_run(cfg: TrainConfig) -> str | None:
+    """Seed, run folder (``output_dir/<run id>``), validated resume and the folder's ownership, all
+    before any model loads; returns the checkpoint to resume from (None: a fresh run)."""
     t = cfg.training
     set_seed(t.seed)
     run_id = cfg.custom.experiment_id or experiment_id(cfg)
     t.output_dir = os.path.join(t.output_dir, run_id)
-    resume = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    if cfg.custom.overwrite_output_dir and t.resume_from_checkpoint not in (None, "", "false", "none"):
+        raise ConfigError(
+            f"overwrite_output_dir starts a new run; it cannot be combined with "
+            f"resume_from_checkpoint={t.resume_from_checkpoint!r}."
+        )
+    resume = resolve_resume(t.resume_from_checkpoint, t.output_dir, cfg.values, t.world_size)
+    if resume is None:
+        claim_run_folder(t.output_dir, cfg.values, cfg.custom.overwrite_output_dir)
     logger.info("Run folder %s%s", t.output_dir, f", resuming from {resume}" if resume else "")
+    return resume
 
+
+def build_trainer(cfg: TrainConfig) -> EncoderTrainer:
+    """The supervised stage: data, trainable encoder, loss and collator, each from its config fields."""
     dataset, num_negatives = build_dataset(cfg)
-    encoder = prepare_encoder(cfg.model, cfg.custom, t)
-    loss_fn = loss_from_config(cfg.custom.loss_class, cfg.custom)
-    trainer = EncoderTrainer(
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    return EncoderTrainer(
         model=encoder,
-        args=t,
+        args=cfg.training,
         train_dataset=dataset,
         data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=cfg.custom.pack_length),
-        loss_fn=loss_fn,
+        loss_fn=loss_from_config(cfg.custom.loss_class, cfg.custom),
         grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
         group_by=cfg.data.group_by,
         run_config=cfg.values,
     )
-    if cfg.custom.stop_after_n_steps is not None:
-        trainer.add_callback(StopAfterNStepsCallback(cfg.custom.stop_after_n_steps))
+
+
+def fit(trainer: RunTrainer, resume: str | None, stop_after_n_steps: int | None) -> str:
+    """Train (resuming from ``resume``), save the final model at the run folder's root; returns it."""
+    if stop_after_n_steps is not None:
+        trainer.add_callback(StopAfterNStepsCallback(stop_after_n_steps))
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(trainer.args.output_dir)
+    return trainer.args.output_dir
+
+
+def train(cfg: TrainConfig) -> str:
+    """Run one supervised training; returns the run folder (its root holds the final encoder)."""
+    resume = start_run(cfg)
+    trainer = build_trainer(cfg)
     try:
-        trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(t.output_dir)
+        return fit(trainer, resume, cfg.custom.stop_after_n_steps)
     finally:
         # DDP's reducer must be gone before the process group is destroyed (gloo aborts otherwise).
         del trainer
         gc.collect()
-    return t.output_dir
 
 
 def main(argv: list[str] | None = None) -> int:

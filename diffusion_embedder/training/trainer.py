@@ -7,7 +7,16 @@ Design points:
   that order (``HomogeneousSampler``), never a random one.
 * Checkpoint files and their completion marker are described in ``checkpoints.py``; GradCache in
   ``grad_cache.py``; building the trainable model in ``model.py``.
-* A NaN or inf loss stops the run before the optimizer step, so no bad weights are ever saved.
+* A NaN or inf loss stops the run before the optimizer step. A checkpoint is written only when every
+  trainable tensor is finite, and it is called good (its completion marker written, old checkpoints
+  rotated out) only once the next step's loss, computed with exactly its weights, is finite too (the
+  run's last checkpoint: when training ends). At a too-high learning rate the weights of step N are
+  often finite but already ruined; the marker rule keeps such a checkpoint from being named as the
+  one to resume from.
+* After a resume's batch skip, accelerate's skip wrapper does not forward ``set_epoch`` to the
+  sampler: ``RunTrainer`` tells every sampler the epoch itself, so epoch 2 resumes in epoch 2's order.
+* A resume with another ``learning_rate`` (the remedy after a NaN stop) continues the restored
+  schedule at the new rate; the Trainer would silently keep the checkpoint's.
 
 A pretraining stage reuses ``RunTrainer`` by supplying a model (with ``save(folder)`` or
 ``save_pretrained(folder)``), a collator and a ``compute_loss``.
@@ -25,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.integrations import TensorBoardCallback
+from transformers.trainer_utils import rotate_checkpoints
 
 from diffusion_embedder.data import HomogeneousSampler
 from diffusion_embedder.training.checkpoints import (
@@ -52,6 +62,12 @@ class StopAfterNStepsCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= self.stop_after_n_steps:
+            logger.info(
+                "Stopping at optimizer step %d: stop_after_n_steps=%d (a checkpoint is saved here; "
+                "continue with --resume_from_checkpoint last).",
+                state.global_step,
+                self.stop_after_n_steps,
+            )
             control.should_training_stop = True
             control.should_save = True
         return control
@@ -73,22 +89,79 @@ class RunTrainer(Trainer):
     def __init__(self, *args, run_config: dict[str, Any] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.run_config = run_config
+        self.resumed_from: str | None = None
+        self._pending: tuple[str, int] | None = None  # saved, not yet called good
         if self.callback_handler.pop_callback(TensorBoardCallback) is not None:
             self.add_callback(EncoderTensorBoardCallback())
 
-    def check_finite(self, loss: torch.Tensor) -> None:
-        """Stop every rank together on a non-finite loss, naming the checkpoint to resume from."""
-        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+    # ------------------------------------------------------------------ NaN/inf stop
+    @staticmethod
+    def _any_rank(flag: bool) -> bool:
+        value = torch.tensor([float(flag)])
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() == 0:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def _remedy(self) -> str:
+        """Where to resume from after a NaN/inf stop, and with which learning rate."""
+        last = find_last_checkpoint(self.args.output_dir) or self.resumed_from
+        lower = f"{self.args.learning_rate / 10:g}"
+        if last is None:
+            return (
+                f"No finite checkpoint was written; restart with a lower learning rate (now "
+                f"{self.args.learning_rate:g}, e.g. --learning_rate {lower}) or check the data."
+            )
+        return (
+            f"The last finite checkpoint is {last}; resume from it with a lower learning rate (now "
+            f"{self.args.learning_rate:g}): --resume_from_checkpoint {last} --learning_rate {lower}, or check the data."
+        )
+
+    def check_finite(self, loss: torch.Tensor) -> None:
+        """Stop every rank together on a non-finite loss, before any gradient reaches the weights."""
+        if not self._any_rank(not bool(torch.isfinite(loss.detach()).all())):
+            self._confirm_pending_checkpoint()
             return
-        last = find_last_checkpoint(self.args.output_dir)
-        keep = f"the last good checkpoint is {last}" if last else "no checkpoint had been written yet"
         raise NonFiniteLossError(
-            f"Loss is {loss.item()} at optimizer step {self.state.global_step + 1}; training stopped before "
-            f"updating the weights, {keep}. Lower the learning rate (learning_rate={self.args.learning_rate}) "
-            "or check the data, then resume with --resume_from_checkpoint last."
+            f"Loss is {loss.detach().float().mean().item()} at optimizer step {self.state.global_step + 1}; "
+            f"training stopped before updating the weights. {self._remedy()}"
+        )
+
+    def check_trainable_finite(self) -> None:
+        """Stop every rank together if a trainable tensor holds NaN/inf (no checkpoint is written then)."""
+        model = self.accelerator.unwrap_model(self.model)
+        bad = [n for n, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+        if not self._any_rank(bool(bad)):
+            return
+        raise NonFiniteLossError(
+            f"Trainable tensors are not finite after optimizer step {self.state.global_step} "
+            f"({', '.join(bad[:3]) or 'on another rank'}); no checkpoint was written for this step. {self._remedy()}"
+        )
+
+    # ------------------------------------------------------------------ exact resume
+    def _run_epoch(self, *args, **kwargs):
+        set_sampler_epoch(kwargs["train_dataloader"], kwargs["epoch"])
+        return super()._run_epoch(*args, **kwargs)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer restores the checkpoint's learning rate; a changed ``learning_rate`` rescales it."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.optimizer is None:
+            return
+        groups = self.optimizer.param_groups
+        old = groups[0].get("initial_lr")
+        new = self.args.learning_rate
+        if not old or old == new:
+            return
+        ratio = new / old
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        for group in groups:
+            group["initial_lr"] *= ratio
+            group["lr"] *= ratio
+        if hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
+            scheduler._last_lr = [group["lr"] for group in groups]
+        logger.warning(
+            "learning_rate is %g, the checkpoint was trained with %g: the schedule continues at the new rate.", new, old
         )
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -105,18 +178,50 @@ class RunTrainer(Trainer):
         if self.run_config is not None:
             write_config(output_dir, self.run_config)
 
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        self._confirm_pending_checkpoint()
+        return result
+
     def _save_checkpoint(self, model: nn.Module, trial=None) -> None:
-        super()._save_checkpoint(model, trial)
+        """Only finite weights are saved; the marker waits for the next finite loss (module docstring)."""
+        self.check_trainable_finite()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated once called good
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are on disk
+        self._pending = (self._get_output_dir(trial), self.state.global_step)
+
+    def _confirm_pending_checkpoint(self) -> None:
+        """Write the completion marker of the checkpoint waiting for it, last, then rotate old ones out."""
+        if self._pending is None:
+            return
+        run_dir, step = self._pending
+        self._pending = None
         if self.args.should_save:
-            write_complete_marker(
-                checkpoint_folder(self._get_output_dir(trial), self.state.global_step), self.state.global_step
-            )
-        self.accelerator.wait_for_everyone()
+            write_complete_marker(checkpoint_folder(run_dir, step), step, self.args.world_size)
+            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         target = model if model is not None else self.model
         load_trainable(self.accelerator.unwrap_model(target), resume_from_checkpoint)
+        self.resumed_from = resume_from_checkpoint
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` on every sampler under a (wrapped) dataloader."""
+    seen: set[int] = set()
+    stack = [loader]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if obj is not loader and isinstance(obj, torch.utils.data.Sampler) and hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+        stack.extend(getattr(obj, name, None) for name in ("batch_sampler", "sampler", "base_dataloader"))
 
 
 def text_columns(inputs: dict[str, Any]) -> tuple[list[Features], int]:

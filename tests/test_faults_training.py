@@ -1,0 +1,208 @@
+"""Fault injection for training: every fault ends in an exact resume or a clear error, never a silent wrong run.
+
+Kill and resume inside epoch 2 (torchrun, 2 processes), each checkpoint file deleted or truncated in
+turn, a different run started in a used folder, NaN at a high learning rate then a resume with a
+lower one, and numeric settings out of range. Tiny configs; in-process runs share one module-scoped
+run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG, torchrun
+from safetensors.torch import load_file
+
+from diffusion_embedder.training.arguments import ConfigError, load_config, validate
+from diffusion_embedder.training.checkpoints import (
+    COMPLETE_MARKER,
+    TRAIN_CONFIG,
+    TRAINABLE_WEIGHTS,
+    CheckpointError,
+    find_last_checkpoint,
+    required_files,
+    validate_checkpoint,
+)
+from diffusion_embedder.training.run import train
+from diffusion_embedder.training.trainer import NonFiniteLossError
+
+#: 16 samples in batches of 4: 4 optimizer steps per epoch, so step 6 lies inside epoch 2.
+IN_PROCESS = ["--report_to", "none", "--max_train_samples", "16", "--max_steps", "6", "--save_steps", "2"]
+
+
+def tiny_config(output_dir: Path, *overrides: str):
+    return load_config(TINY_TRAIN_CONFIG, ["--output_dir", str(output_dir), *IN_PROCESS, *overrides])
+
+
+def trainable(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / TRAINABLE_WEIGHTS)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for name, value in b.items():
+        torch.testing.assert_close(a[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def used_run(tmp_path_factory) -> Path:
+    """One finished in-process run: checkpoints 2, 4 and 6 of the tiny config."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.chdir(ROOT)  # the tiny config names repository-relative paths
+    out = tmp_path_factory.mktemp("used")
+    run = Path(train(tiny_config(out)))
+    monkeypatch.undo()
+    return run
+
+
+@pytest.fixture
+def used_copy(used_run, tmp_path, monkeypatch) -> Path:
+    """A copy of the used run's parent folder (the output_dir a config names)."""
+    monkeypatch.chdir(ROOT)
+    shutil.copytree(used_run, tmp_path / TINY_RUN_ID)
+    return tmp_path
+
+
+# ---------------------------------------------------------------- kill and resume inside epoch 2
+
+
+def test_kill_and_resume_inside_epoch_two_is_exact(tiny_full_run, tmp_path):
+    """2 ranks, 12 steps per epoch: killed after step 14, resumed past a half-written checkpoint-16.
+
+    Before the fix the resumed epoch replayed epoch 1's order (the sampler never learnt the epoch
+    behind accelerate's skip wrapper), so the weights differed from the uninterrupted run's.
+    """
+    stopped = torchrun(tmp_path, "--stop_after_n_steps", "14")
+    assert "Stopping at optimizer step 14: stop_after_n_steps=14" in stopped.stdout + stopped.stderr
+    run = tmp_path / TINY_RUN_ID
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-14"]
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (run / "checkpoint-14").iterdir()}
+    half = run / "checkpoint-16"  # a kill while checkpoint-16 was being written
+    half.mkdir()
+    (half / TRAINABLE_WEIGHTS).write_bytes(b"truncated")
+    resumed = torchrun(tmp_path, "--resume_from_checkpoint", "last")
+    assert "Skipping" in resumed.stdout + resumed.stderr
+    assert_same_weights(trainable(run), trainable(tiny_full_run))
+
+
+# ---------------------------------------------------------------- every checkpoint file is needed
+
+RESUME_FILES = [name for name in required_files(world_size=1) if name != COMPLETE_MARKER]
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+@pytest.mark.parametrize("name", RESUME_FILES)
+def test_damaged_checkpoint_file_is_named_with_the_previous_checkpoint(used_copy, name, damage):
+    newest = used_copy / TINY_RUN_ID / "checkpoint-6"
+    path = newest / name
+    if damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+    with pytest.raises(ConfigError) as err:
+        train(tiny_config(used_copy, "--resume_from_checkpoint", "last"))
+    message = str(err.value)
+    assert str(path) in message and ("missing" if damage == "delete" else "unreadable") in message
+    assert f"previous complete checkpoint is {used_copy / TINY_RUN_ID / 'checkpoint-4'}" in message
+
+
+def test_every_ranks_rng_state_is_required(used_copy):
+    """A checkpoint of 2 ranks needs rng_state_0.pth and rng_state_1.pth (the Trainer would skip a missing one)."""
+    folder = used_copy / TINY_RUN_ID / "checkpoint-6"
+    (folder / "rng_state.pth").rename(folder / "rng_state_0.pth")
+    marker = json.loads((folder / COMPLETE_MARKER).read_text())
+    (folder / COMPLETE_MARKER).write_text(json.dumps({**marker, "world_size": 2}))
+    with pytest.raises(CheckpointError, match=r"rng_state_1\.pth is missing"):
+        validate_checkpoint(folder, world_size=2)
+    shutil.copy(folder / "rng_state_0.pth", folder / "rng_state_1.pth")
+    validate_checkpoint(folder, world_size=2)
+    with pytest.raises(CheckpointError, match="written by 2 process"):
+        validate_checkpoint(folder, world_size=1)
+
+
+# ---------------------------------------------------------------- a run folder belongs to one run
+
+
+def test_new_run_in_a_used_folder_stops(used_copy):
+    with pytest.raises(ConfigError, match="already holds 3 checkpoint.*another config.*--overwrite_output_dir"):
+        train(tiny_config(used_copy, "--lora_r", "8"))
+    with pytest.raises(ConfigError, match="already holds .* of this config.*--resume_from_checkpoint last"):
+        train(tiny_config(used_copy))
+
+
+def test_last_never_resumes_another_configs_checkpoint(used_copy):
+    with pytest.raises(CheckpointError, match="another config.*lora_r: 4 there, 8 now"):
+        train(tiny_config(used_copy, "--lora_r", "8", "--resume_from_checkpoint", "last"))
+    explicit = used_copy / TINY_RUN_ID / "checkpoint-4"
+    with pytest.raises(CheckpointError, match="another config.*loss_scale: 50.0 there, 20.0 now"):
+        train(tiny_config(used_copy, "--loss_scale", "20.0", "--resume_from_checkpoint", str(explicit)))
+
+
+def test_overwrite_output_dir_starts_afresh(used_copy):
+    run = Path(train(tiny_config(used_copy, "--lora_r", "8", "--max_steps", "2", "--overwrite_output_dir")))
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]  # 4 and 6 of the old run: gone
+    assert json.loads((run / "checkpoint-2" / TRAIN_CONFIG).read_text())["lora_r"] == 8
+    assert {t.shape[0] for n, t in trainable(run).items() if "lora_A" in n} == {8}
+
+
+# ---------------------------------------------------------------- NaN at a high learning rate
+
+
+def test_nan_at_high_learning_rate_then_resume_lower(tmp_path, monkeypatch):
+    """Warmup makes step 1's rate 0; step 2 at 5e19 ruins the weights (still finite); step 3's loss is NaN.
+
+    The good checkpoint is checkpoint-1 (checkpoint-2's weights give a NaN loss), and resuming from
+    it at 1e-3 must equal an uninterrupted run at 1e-3, whose step 1 also moved nothing.
+    """
+    monkeypatch.chdir(ROOT)
+    high = ["--save_steps", "1", "--learning_rate", "1e20"]
+    with pytest.raises(NonFiniteLossError) as err:
+        train(tiny_config(tmp_path / "nan", *high))
+    run = tmp_path / "nan" / TINY_RUN_ID
+    good = run / "checkpoint-1"
+    message = str(err.value)
+    assert "Loss is nan at optimizer step 3" in message
+    assert f"last finite checkpoint is {good}" in message and "lower learning rate" in message
+    assert find_last_checkpoint(run) == str(good)
+    assert not (run / "checkpoint-2" / COMPLETE_MARKER).exists()
+    assert all(torch.isfinite(t).all() for t in trainable(good).values())
+
+    lower = ["--learning_rate", "1e-3"]
+    resumed = Path(train(tiny_config(tmp_path / "nan", *lower, "--resume_from_checkpoint", str(good))))
+    reference = Path(train(tiny_config(tmp_path / "ref", *lower)))
+    assert_same_weights(trainable(resumed), trainable(reference))
+    state = json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())
+    rates = [e["learning_rate"] for e in state["log_history"] if "learning_rate" in e]
+    assert max(rates) <= 1e-3  # the schedule continued at the new rate, not the checkpoint's 1e20
+
+
+# ---------------------------------------------------------------- numbers out of range
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("learning_rate", 0, "learning_rate: must be > 0, got 0"),
+        ("learning_rate", -1e-4, "learning_rate: must be > 0"),
+        ("per_device_train_batch_size", 0, "per_device_train_batch_size: must be >= 1, got 0"),
+        ("gradient_accumulation_steps", 0, "gradient_accumulation_steps: must be >= 1"),
+        ("lora_dropout", 1.0, "lora_dropout: must be < 1"),
+        ("lora_alpha", 0, "lora_alpha: must be > 0"),
+        ("loss_scale", 0, "loss_scale: must be > 0"),
+        ("max_steps", 0, "max_steps: must be >= 1 (or -1"),
+        ("num_train_epochs", 0, "num_train_epochs: must be > 0"),
+        ("warmup_steps", -1, "warmup_steps: must be >= 0"),
+        ("max_train_samples", 0, "max_train_samples: must be >= 1"),
+        ("save_steps", 0, "save_steps: must be > 0"),
+        ("eval_strategy", "steps", "eval_strategy: 'steps' is not supported (there is no evaluation during training"),
+    ],
+)
+def test_out_of_range_setting_is_refused_with_the_config(key, value, expected):
+    values = json.loads(TINY_TRAIN_CONFIG.read_text())
+    with pytest.raises(ConfigError) as err:
+        validate({**values, key: value})
+    assert expected in str(err.value)
