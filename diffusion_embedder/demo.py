@@ -109,6 +109,7 @@ def train_arm(arm: str, init: Path, output_dir: Path, settings: DemoSettings) ->
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc}",
         str(script), str(settings.config_dir / f"{arm}.json"),
         "--model_name_or_path", str(init), "--output_dir", str(output_dir), "--seed", str(settings.seed),
+        "--overwrite_output_dir",  # the demo rebuilds everything: a rerun replaces the previous run
     ]
     if settings.max_steps is not None:  # a checkpoint at the last step keeps its loss log
         command += ["--max_steps", str(settings.max_steps), "--save_steps", str(settings.max_steps)]

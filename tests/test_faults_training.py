@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG, torchrun
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 from diffusion_embedder.training.arguments import ConfigError, load_config, validate
 from diffusion_embedder.training.checkpoints import (
@@ -27,7 +28,7 @@ from diffusion_embedder.training.checkpoints import (
     required_files,
     validate_checkpoint,
 )
-from diffusion_embedder.training.run import train
+from diffusion_embedder.training.run import build_trainer, fit, start_run, train
 from diffusion_embedder.training.trainer import NonFiniteLossError
 
 #: 16 samples in batches of 4: 4 optimizer steps per epoch, so step 6 lies inside epoch 2.
@@ -178,6 +179,31 @@ def test_nan_at_high_learning_rate_then_resume_lower(tmp_path, monkeypatch):
     state = json.loads((resumed / "checkpoint-6" / "trainer_state.json").read_text())
     rates = [e["learning_rate"] for e in state["log_history"] if "learning_rate" in e]
     assert max(rates) <= 1e-3  # the schedule continued at the new rate, not the checkpoint's 1e20
+
+
+class PoisonAtStep(TrainerCallback):
+    """Stands for an optimizer step that left a trainable tensor infinite (the step's loss was finite)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.requires_grad).fill_(float("inf"))
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    cfg = tiny_config(tmp_path, "--save_steps", "1", "--max_steps", "2")
+    resume = start_run(cfg)
+    trainer = build_trainer(cfg)
+    trainer.add_callback(PoisonAtStep(2))
+    run = tmp_path / TINY_RUN_ID
+    with pytest.raises(NonFiniteLossError, match="not finite after optimizer step 2.*last finite checkpoint is .*-1;"):
+        fit(trainer, resume, None)
+    assert not (run / "checkpoint-2").exists()
+    assert find_last_checkpoint(run) == str(run / "checkpoint-1")
 
 
 # ---------------------------------------------------------------- numbers out of range

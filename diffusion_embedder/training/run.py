@@ -3,7 +3,8 @@
 Order matters: the config is validated first (no model is loaded for a bad config), then the run
 folder and the checkpoint to resume from (``start_run``), then the data is read (a bad line stops
 the run before the model loads), then the encoder is built (``build_trainer``) and trained
-(``fit``). Another stage reuses ``start_run`` and ``fit`` with its own trainer.
+(``fit``). Another stage reuses ``open_run`` and ``fit`` with its own ``RunTrainer`` (a model, a
+collator and a loss).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Any
 
 import torch.distributed as dist
-from transformers import set_seed
+from transformers import TrainingArguments, set_seed
 
 from diffusion_embedder import clihelp
 from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
@@ -126,7 +127,7 @@ def claim_run_folder(output_dir: str, config: dict[str, Any], overwrite: bool) -
             f"{output_dir} already holds {held} of {what}. Continue it with --resume_from_checkpoint last, start "
             "this run under another output_dir or experiment_id, or pass --overwrite_output_dir to delete them."
         )
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:  # one process deletes, on a shared file system too
         logger.warning("overwrite_output_dir: deleting %s in %s.", held, output_dir)
         for path in checkpoints:
             shutil.rmtree(path)
@@ -153,23 +154,28 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     return dataset, negatives
 
 
-def start_run(cfg: TrainConfig) -> str | None:
-    """Seed, run folder (``output_dir/<run id>``), validated resume and the folder's ownership, all
-    before any model loads; returns the checkpoint to resume from (None: a fresh run)."""
-    t = cfg.training
-    set_seed(t.seed)
-    run_id = cfg.custom.experiment_id or experiment_id(cfg)
-    t.output_dir = os.path.join(t.output_dir, run_id)
-    if cfg.custom.overwrite_output_dir and t.resume_from_checkpoint not in (None, "", "false", "none"):
+def open_run(args: TrainingArguments, run_id: str, config: dict[str, Any], overwrite: bool) -> str | None:
+    """Any stage: seed, run folder ``args.output_dir/run_id``, the validated checkpoint to resume from
+    (None: a fresh run) and the folder's ownership, all before any model loads. ``config`` is the
+    run's config record (compared with a resumed checkpoint's)."""
+    set_seed(args.seed)
+    args.output_dir = os.path.join(args.output_dir, run_id)
+    if overwrite and args.resume_from_checkpoint not in (None, "", "false", "none"):
         raise ConfigError(
             f"overwrite_output_dir starts a new run; it cannot be combined with "
-            f"resume_from_checkpoint={t.resume_from_checkpoint!r}."
+            f"resume_from_checkpoint={args.resume_from_checkpoint!r}."
         )
-    resume = resolve_resume(t.resume_from_checkpoint, t.output_dir, cfg.values, t.world_size)
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, config, args.world_size)
     if resume is None:
-        claim_run_folder(t.output_dir, cfg.values, cfg.custom.overwrite_output_dir)
-    logger.info("Run folder %s%s", t.output_dir, f", resuming from {resume}" if resume else "")
+        claim_run_folder(args.output_dir, config, overwrite)
+    logger.info("Run folder %s%s", args.output_dir, f", resuming from {resume}" if resume else "")
     return resume
+
+
+def start_run(cfg: TrainConfig) -> str | None:
+    """``open_run`` for a supervised config."""
+    run_id = cfg.custom.experiment_id or experiment_id(cfg)
+    return open_run(cfg.training, run_id, cfg.values, cfg.custom.overwrite_output_dir)
 
 
 def build_trainer(cfg: TrainConfig) -> EncoderTrainer:
