@@ -28,7 +28,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_N
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from diffusion_embedder.training.arguments import ConfigError, default_value
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, default_value
 
 logger = logging.getLogger(__name__)
 
@@ -216,14 +216,20 @@ def validate_checkpoint(folder: str | os.PathLike, world_size: int) -> None:
     raise CheckpointError(f"Cannot resume exactly from {folder}: {problem}; {hint}.")
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any], ignore=RESUME_MAY_DIFFER) -> dict:
-    """``key -> (saved, current)`` for every setting that differs (absent keys count as their default)."""
+def config_differences(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    ignore=RESUME_MAY_DIFFER,
+    classes: tuple[type, ...] = ARGUMENT_CLASSES,
+) -> dict:
+    """``key -> (saved, current)`` for every setting that differs (absent keys count as their default
+    in the stage's argument ``classes``)."""
     out = {}
     for key in sorted(set(saved) | set(current)):
         if key in ignore:
             continue
-        old = saved[key] if key in saved else default_value(key)
-        new = current[key] if key in current else default_value(key)
+        old = saved[key] if key in saved else default_value(key, classes)
+        new = current[key] if key in current else default_value(key, classes)
         if old != new:
             out[key] = (old, new)
     return out

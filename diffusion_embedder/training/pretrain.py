@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import TrainingArguments, set_seed
+from transformers import TrainingArguments
 
 from diffusion_embedder import backbones
 from diffusion_embedder.data import load_text_blocks, read_texts
@@ -41,8 +41,8 @@ from diffusion_embedder.objectives import (
     mask_token_for,
 )
 from diffusion_embedder.training.arguments import LORA_TARGETS, ConfigError, StageSchema, read_config_values
-from diffusion_embedder.training.run import resolve_resume
-from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer, StopAfterNStepsCallback
+from diffusion_embedder.training.run import fit, open_run
+from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,9 @@ class LMStageArguments:
     full_training: bool = field(default=False, metadata={"help": "Train every weight, no LoRA (small models)."})
     stop_after_n_steps: int | None = field(default=None, metadata={"help": "Stop (and checkpoint) after N steps."})
     experiment_id: str | None = field(default=None, metadata={"help": "Run folder name; None = derived id."})
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Start afresh in a run folder that holds checkpoints (deletes them)."}
+    )
 
 
 LM_STAGE = StageSchema(
@@ -225,9 +228,8 @@ def train(values: dict[str, Any], source: str = "config") -> str:
         raise ConfigError(
             f"Invalid {source}: give either dataset_name (hub) or train_file (local), not both or neither"
         )
-    set_seed(t.seed)
-    t.output_dir = os.path.join(t.output_dir, args.experiment_id or experiment_id(args, t))
-    resume = resolve_resume(t.resume_from_checkpoint, t.output_dir)
+    run_id = args.experiment_id or experiment_id(args, t)
+    resume = open_run(t, run_id, dict(values), args.overwrite_output_dir, LM_STAGE.classes)
     texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
 
     objective = OBJECTIVES[args.objective]
@@ -245,15 +247,11 @@ def train(values: dict[str, Any], source: str = "config") -> str:
         options=options,
         run_config=dict(values),
     )
-    if args.stop_after_n_steps is not None:
-        trainer.add_callback(StopAfterNStepsCallback(args.stop_after_n_steps))
     try:
-        trainer.train(resume_from_checkpoint=resume)
-        trainer.save_model(t.output_dir)
+        return fit(trainer, resume, args.stop_after_n_steps)
     finally:
         del trainer  # DDP's reducer must go before the process group
         gc.collect()
-    return t.output_dir
 
 
 def main(argv: list[str] | None = None) -> int:

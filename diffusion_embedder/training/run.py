@@ -74,7 +74,13 @@ def experiment_id(cfg: TrainConfig) -> str:
     )
 
 
-def resolve_resume(value: str | None, output_dir: str, config: dict[str, Any], world_size: int) -> str | None:
+def resolve_resume(
+    value: str | None,
+    output_dir: str,
+    config: dict[str, Any],
+    world_size: int,
+    classes: tuple[type, ...] = ARGUMENT_CLASSES,
+) -> str | None:
     """The checkpoint to resume from, validated; None to start fresh.
 
     ``last`` is the newest complete checkpoint in ``output_dir`` (None if there is none). A checkpoint
@@ -98,7 +104,7 @@ def resolve_resume(value: str | None, output_dir: str, config: dict[str, Any], w
                 "use 'last' to pick the newest complete one."
             )
     validate_checkpoint(path, world_size)
-    differences = config_differences(read_config(path), config)
+    differences = config_differences(read_config(path), config, classes=classes)
     if differences:
         listed = "; ".join(f"{key}: {old!r} there, {new!r} now" for key, (old, new) in differences.items())
         raise CheckpointError(
@@ -106,13 +112,15 @@ def resolve_resume(value: str | None, output_dir: str, config: dict[str, Any], w
             f"(these may change on resume: {', '.join(sorted(RESUME_MAY_DIFFER))}), or start the new run under "
             "another output_dir or experiment_id."
         )
-    changed = config_differences(read_config(path), config, ignore=())
+    changed = config_differences(read_config(path), config, ignore=(), classes=classes)
     if changed:
         logger.info("Resuming %s with changed settings: %s", path, {k: v[1] for k, v in changed.items()})
     return path
 
 
-def claim_run_folder(output_dir: str, config: dict[str, Any], overwrite: bool) -> None:
+def claim_run_folder(
+    output_dir: str, config: dict[str, Any], overwrite: bool, classes: tuple[type, ...] = ARGUMENT_CLASSES
+) -> None:
     """A run folder belongs to one run: a fresh start in a folder holding another run's checkpoints (or
     its final record) stops, unless ``overwrite`` (then they are deleted first)."""
     checkpoints = list_checkpoints(output_dir)
@@ -121,7 +129,7 @@ def claim_run_folder(output_dir: str, config: dict[str, Any], overwrite: bool) -
         return
     held = f"{len(checkpoints)} checkpoint(s), newest {checkpoints[0]}" if checkpoints else f"a finished run ({record})"
     if not overwrite:
-        same = os.path.isfile(record) and not config_differences(read_config(output_dir), config)
+        same = os.path.isfile(record) and not config_differences(read_config(output_dir), config, classes=classes)
         what = "this config" if same else "another config" if os.path.isfile(record) else "a run"
         raise ConfigError(
             f"{output_dir} already holds {held} of {what}. Continue it with --resume_from_checkpoint last, start "
@@ -154,10 +162,17 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     return dataset, negatives
 
 
-def open_run(args: TrainingArguments, run_id: str, config: dict[str, Any], overwrite: bool) -> str | None:
+def open_run(
+    args: TrainingArguments,
+    run_id: str,
+    config: dict[str, Any],
+    overwrite: bool,
+    classes: tuple[type, ...] = ARGUMENT_CLASSES,
+) -> str | None:
     """Any stage: seed, run folder ``args.output_dir/run_id``, the validated checkpoint to resume from
     (None: a fresh run) and the folder's ownership, all before any model loads. ``config`` is the
-    run's config record (compared with a resumed checkpoint's)."""
+    run's config record (compared with a resumed checkpoint's; keys it leaves out count as their
+    defaults in the stage's argument ``classes``)."""
     set_seed(args.seed)
     args.output_dir = os.path.join(args.output_dir, run_id)
     if overwrite and args.resume_from_checkpoint not in (None, "", "false", "none"):
@@ -165,9 +180,9 @@ def open_run(args: TrainingArguments, run_id: str, config: dict[str, Any], overw
             f"overwrite_output_dir starts a new run; it cannot be combined with "
             f"resume_from_checkpoint={args.resume_from_checkpoint!r}."
         )
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, config, args.world_size)
+    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, config, args.world_size, classes)
     if resume is None:
-        claim_run_folder(args.output_dir, config, overwrite)
+        claim_run_folder(args.output_dir, config, overwrite, classes)
     logger.info("Run folder %s%s", args.output_dir, f", resuming from {resume}" if resume else "")
     return resume
 
