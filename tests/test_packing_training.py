@@ -43,7 +43,7 @@ def test_pack_length_setting_reaches_the_collator(tmp_path, monkeypatch):
     with pytest.raises(Built):
         run.train(make_config(tmp_path, dataset_file_path=str(PAIRS), pack_length=96))
     assert seen["data_collator"].pack_length == 96
-    with pytest.raises(ConfigError, match="pack_length: must be positive, got 0"):
+    with pytest.raises(ConfigError, match="pack_length: must be >= 1, got 0"):
         make_config(tmp_path, pack_length=0)
     with pytest.raises(ValueError, match="pack_length must be an integer >= 1"):
         ContrastiveCollator(lambda pairs: {}, pack_length=0)

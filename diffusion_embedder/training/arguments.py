@@ -424,7 +424,12 @@ def read_config_values(
         raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: the config must be a JSON object, got {type(values).__name__}.")
-    values.update(parse_overrides(overrides or [], classes))
+    overridden = parse_overrides(overrides or [], classes)
+    for alias, canonical in MODEL_ALIASES.items():  # an override replaces the setting under either name
+        if alias in overridden or canonical in overridden:
+            values.pop(alias, None)
+            values.pop(canonical, None)
+    values.update(overridden)
     return values
 
 
