@@ -223,11 +223,31 @@ def truncate_keys(folder: Path, shard: str) -> None:
 
 def extra_key(folder: Path, shard: str) -> None:  # one key more than rows: every row after it would shift
     path = folder / f"{shard}.keys.json"
-    path.write_text(json.dumps(["0" * 64, *json.loads(path.read_text())]))
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "texts": ["0" * 64, *record["texts"]]}))
 
 
-@pytest.mark.parametrize("damage", [truncate_rows, empty_rows, delete_rows, truncate_keys, extra_key],
-                         ids=lambda f: f.__name__)
+def flip_a_byte(folder: Path, shard: str) -> None:  # one float's bits change; size, header and shape stay intact
+    path = folder / f"{shard}.npy"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10
+    path.write_bytes(bytes(data))
+    rows = np.load(path)
+    assert rows.shape == (2, 2) and rows.dtype == np.float32 and np.isfinite(rows).all()
+
+
+def without_checksum(folder: Path, shard: str) -> None:  # the key file of older versions: a bare list of hashes
+    path = folder / f"{shard}.keys.json"
+    path.write_text(json.dumps(shard_text_hashes(path)))
+
+
+def shard_text_hashes(keys_file: Path) -> list[str]:
+    record = json.loads(keys_file.read_text())
+    return record["texts"] if isinstance(record, dict) else record
+
+
+@pytest.mark.parametrize("damage", [truncate_rows, empty_rows, delete_rows, truncate_keys, extra_key, flip_a_byte,
+                                    without_checksum], ids=lambda f: f.__name__)
 def test_a_damaged_cache_shard_is_discarded_named_and_rebuilt(tmp_path, caplog, damage):
     first, second = ["alpha v=1,2", "beta v=3,1"], ["gamma v=0,5", "delta v=2,2"]
     texts = first + second
@@ -243,7 +263,7 @@ def test_a_damaged_cache_shard_is_discarded_named_and_rebuilt(tmp_path, caplog, 
     cache.get_or_encode(first, encode, "model@rev", settings)  # shard 1
     cache.get_or_encode(second, encode, "model@rev", settings)  # shard 2
     folder = tmp_path / settings_key("model@rev", settings)
-    shards = {p.name[: -len(".keys.json")]: json.loads(p.read_text()) for p in folder.glob("*.keys.json")}
+    shards = {p.name[: -len(".keys.json")]: shard_text_hashes(p) for p in folder.glob("*.keys.json")}
     damaged = next(s for s, keys in shards.items() if text_hash(first[0]) in keys)
     damage(folder, damaged)
     encoded.clear()

@@ -2,10 +2,11 @@
 
 FollowIR scores the same corpus under original and changed instructions, BRIGHT domains are rerun
 while tuning instructions, and an interrupted run restarts: none of that should re-encode documents.
-One folder per (model identity, settings) key; inside, append-only shards of ``.npy`` rows with the
-SHA-256 of each text beside them. A shard counts only once its key file exists (written last), so a
-run killed mid-write leaves the cache valid; a shard damaged later (truncated, emptied, missing, a bad
-key file) is discarded with a warning naming the file, and its texts are encoded again.
+One folder per (model identity, settings) key; inside, append-only shards of ``.npy`` rows with a key
+file beside them: the SHA-256 of each text and of the ``.npy`` file's bytes. A shard counts only once its
+key file exists (written last), so a run killed mid-write leaves the cache valid; a shard damaged later
+(truncated, emptied, missing, bytes changed, a bad key file, or one written without a checksum) is
+discarded with a warning naming the file, and its texts are encoded again.
 """
 
 from __future__ import annotations
@@ -40,17 +41,22 @@ class _BadShard(Exception):
 def _read_shard(folder: str, shard: str) -> tuple[list[str], np.ndarray]:
     """The text hashes and the (memory-mapped) rows of one shard, or ``_BadShard`` naming the broken file.
 
-    Checked: the key file is a JSON list of SHA-256 hex digests; the ``.npy`` exists, is complete, is a
-    2-D float32 array, and has one row per key. A truncated, emptied or mismatched file never serves rows.
+    Checked: the key file is a JSON object with the SHA-256 of each text and of the ``.npy`` file; the
+    ``.npy`` exists, is a 2-D float32 array with one row per key, and its bytes hash to the stored digest.
+    A truncated, emptied, mismatched or altered file never serves rows. Shards of older versions, whose key
+    file is a bare list without a digest, cannot be verified and are treated as damaged (rebuilt once).
     """
     keys_path = os.path.join(folder, shard + KEYS_SUFFIX)
     try:
         with open(keys_path, encoding="utf-8") as f:
-            hashes = json.load(f)
+            record = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _BadShard(keys_path, f"unreadable key file: {e}") from None
+    if not isinstance(record, dict) or not isinstance(record.get("rows_sha256"), str):
+        raise _BadShard(keys_path, "the key file has no checksum of the rows (damaged, or an older cache version)")
+    hashes = record.get("texts")
     if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.match(h) for h in hashes):
-        raise _BadShard(keys_path, "the key file is not a list of SHA-256 text hashes")
+        raise _BadShard(keys_path, "the key file's 'texts' is not a list of SHA-256 text hashes")
     rows_path = os.path.join(folder, f"{shard}.npy")
     try:
         rows = np.load(rows_path, mmap_mode="r")
@@ -60,7 +66,14 @@ def _read_shard(folder: str, shard: str) -> tuple[list[str], np.ndarray]:
         raise _BadShard(rows_path, f"unreadable or truncated: {e}") from None
     if rows.ndim != 2 or rows.dtype != np.float32 or rows.shape[0] != len(hashes):
         raise _BadShard(rows_path, f"array {rows.dtype}{rows.shape} does not match {len(hashes)} keys")
+    if file_sha256(rows_path) != record["rows_sha256"]:
+        raise _BadShard(rows_path, "its bytes changed since it was written (SHA-256 differs from the key file's)")
     return hashes, rows
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def text_hash(text: str) -> str:
@@ -130,9 +143,10 @@ class EmbeddingCache:
         shard = uuid.uuid4().hex
         tmp = os.path.join(folder, f"{shard}.tmp.npy")
         np.save(tmp, vectors.astype(np.float32, copy=False))
+        digest = file_sha256(tmp)
         os.replace(tmp, os.path.join(folder, f"{shard}.npy"))
         with open(os.path.join(folder, f"{shard}.keys.tmp"), "w", encoding="utf-8") as f:
-            json.dump(hashes, f)
+            json.dump({"rows_sha256": digest, "texts": hashes}, f)
         os.replace(os.path.join(folder, f"{shard}.keys.tmp"), os.path.join(folder, shard + KEYS_SUFFIX))
         index = self._load_index(key)
         for row, h in enumerate(hashes):
