@@ -70,9 +70,10 @@ class StudySettings:
 
 
 def torchrun(script: str, config: Path, nproc: int, *overrides: str) -> None:
+    """One stage run; the study rebuilds everything, so a rerun replaces the previous run's folders."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(REPO / "experiments" / script), str(config), *overrides,
+        str(REPO / "experiments" / script), str(config), *overrides, "--overwrite_output_dir",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     logger.info("Running %s", " ".join(command))

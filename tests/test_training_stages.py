@@ -138,8 +138,9 @@ def test_supervised_run_starts_from_the_mntp_output(mntp_run, tmp_path):
     assert torch.isfinite(encoder.encode(TEXTS, show_progress_bar=False)).all()
 
 
-def test_lm_stage_resumes_to_the_same_weights(tmp_path):
-    """In one process: a run stopped at step 2 and resumed ends where the uninterrupted run does."""
+def test_lm_stage_resumes_to_the_same_weights(tmp_path, caplog):
+    """In one process: a run stopped at step 2 and resumed ends where the uninterrupted run does; the run
+    folder then belongs to that run (a new run stops, ``last`` refuses another objective's checkpoint)."""
     common = ["--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--objective", "mdm"]
     assert pretrain.main([str(TINY / "mntp.json"), "--output_dir", str(tmp_path / "full"), *common]) == 0
     stopped = tmp_path / "resumed"
@@ -154,6 +155,9 @@ def test_lm_stage_resumes_to_the_same_weights(tmp_path):
     assert any(not torch.equal(half[k], full[k]) for k in full)  # steps 3-4 changed the weights
     for name, value in full.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)
+    assert pretrain.main(args) == 2 and "already holds" in caplog.text and "--overwrite_output_dir" in caplog.text
+    assert pretrain.main([*args, "--objective", "clm", "--resume_from_checkpoint", "last"]) == 2
+    assert "objective: 'mdm' there, 'clm' now" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- SimCSE
