@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
-from diffusion_embedder.evaluation import report, run  # noqa: E402
+from diffusion_embedder.evaluation import report, run, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache, settings_key, text_hash  # noqa: E402
 from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
 from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
@@ -165,6 +165,41 @@ def test_a_hub_task_scores_again_when_its_dataset_revision_differs(tmp_path):
     edited, calls = score()
     assert calls and {t for call in calls for _, t in call} >= {"why do cells divide? v=0,1"}
     assert edited.scores["BrightBiologyRetrieval"] == pytest.approx(1 / np.log2(3), abs=1e-5)  # x1 now second
+
+
+def test_a_changed_shipped_instruction_scores_the_task_again(tmp_path, monkeypatch, caplog):
+    """Without --task_to_instructions_fp the shipped file decides the query instruction; a package upgrade that
+    changes it (here: an edited copy of the shipped file) must score the task again, at the standard path."""
+    shipped = tmp_path / "package"
+    shipped.mkdir()
+    mapping = shipped / "task_to_instructions.json"
+
+    def files(package):
+        assert package == "diffusion_embedder.evaluation"
+        return shipped
+
+    monkeypatch.setattr(tasks, "resources", SimpleNamespace(files=files))
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    args = run.EvalArguments(output_dir=str(out), local_task=[str(folder)], no_embedding_cache=True,
+                             show_progress_bar=False, model_name="test/vectors", revision="hand")
+
+    def score(instructions: dict[str, str]) -> set[str]:
+        mapping.write_text(json.dumps(instructions))
+        stand_in = VectorStandIn()
+        outcome = run.evaluate(run.wrap_encoder(stand_in, args), run.task_factories(args), args)
+        assert outcome.scores[TASK] == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
+        return {i for call in stand_in.calls for i, _ in call}
+
+    assert score({TASK: "Old shipped instruction:"}) >= {"Old shipped instruction:"}
+    assert score({TASK: "Old shipped instruction:"}) == set()  # unchanged: reused, nothing encoded
+    with caplog.at_level(logging.WARNING, logger="diffusion_embedder.evaluation.run"):
+        assert score({TASK: "New shipped instruction:"}) >= {"New shipped instruction:"}
+    assert "query instruction changed" in caplog.text and "New shipped instruction:" in caplog.text
+    assert score({}) >= {INSTRUCTION}  # gone from the file: the task's own prompt (task.json), scored again
+    (next(out.rglob(run.INSTRUCTIONS_FILE))).unlink()  # a result of an older version: no record, not trusted
+    assert score({}) >= {INSTRUCTION}
+    assert score({}) == set()
+    assert len(list(out.rglob(f"{TASK}.json"))) == 1 and not list(out.rglob("experiments"))
 
 
 # ------------------------------------------------------------------ two results for one column

@@ -276,8 +276,11 @@ class MTEBEncoder(AbsEncoder):
             texts.extend(batch["text"] if is_document else self._query_texts(batch))
         if is_document:
             return [["", t] for t in texts]
-        instruction = query_instruction(task_metadata.name, self.instructions, task_metadata.prompt)
-        return [[instruction, t] for t in texts]
+        return [[self.task_instruction(task_metadata), t] for t in texts]
+
+    def task_instruction(self, task_metadata) -> str:
+        """The instruction this model gives the task's queries (the results record it: another one scores again)."""
+        return query_instruction(task_metadata.name, self.instructions, task_metadata.prompt)
 
     def _encode_pairs(
         self, pairs: list[list[str]], batch_size: int, show_progress_bar: bool, lengths: dict

@@ -5,12 +5,13 @@ is evaluated with its own settings, and under ``<revision>/experiments/<ablation
 evaluation settings are overridden. The revision is a hash of the loaded weights and settings, and
 ``identity.jsonl`` beside the results is checked on every run, so scores of another checkpoint are never
 reused. A stored result is reused only for the same data (dataset revision; for local tasks a hash of
-their files).
+their files) and the same query instruction (recorded in ``query_instructions.jsonl``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 #: Beside the results: the weights and settings they belong to. Not ``*.json``: mteb's ResultCache reads
 #: every ``*.json`` next to ``model_meta.json`` as a task result.
 IDENTITY_FILE = "identity.jsonl"
+#: Beside the results: the query instruction each task was scored with, one JSON line per task.
+INSTRUCTIONS_FILE = "query_instructions.jsonl"
 #: Encoder settings the command line may override; an override is an ablation (an ``experiments/`` folder).
 ENCODER_FLAGS = tuple(f.name for f in setting_fields())
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
@@ -268,12 +271,37 @@ def check_identity(results_dir: Path, identity: dict) -> None:
     path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
-def rescore_reason(cache, task, meta) -> str | None:
-    """Why the stored result of ``task`` must not be reused (its data changed), or None when it may be.
+def _stored_instructions(results_dir: Path) -> dict[str, str]:
+    """Task -> query instruction its stored result was scored with; unreadable lines count as no record."""
+    path = results_dir / INSTRUCTIONS_FILE
+    records: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
+                record = json.loads(line)
+                records[str(record["task"])] = str(record["query_instruction"])
+    return records
+
+
+def record_instruction(results_dir: Path, task_name: str, instruction: str) -> None:
+    """Note the instruction ``task_name`` was just scored with (written after its result, replaced atomically)."""
+    records = {**_stored_instructions(results_dir), task_name: instruction}
+    path = results_dir / INSTRUCTIONS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"task": k, "query_instruction": v}) + "\n" for k, v in sorted(records.items())),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def rescore_reason(cache, task, meta, instruction: str) -> str | None:
+    """Why the stored result of ``task`` must not be reused (its data or query instruction changed), or None.
 
     mteb reuses a complete result whatever data it was computed on; the result records the dataset
-    revision (for a local task, the hash of its files), so we compare it with the task's own. An
-    unreadable result is an error naming the file, never a silent rerun or a crash inside mteb.
+    revision (for a local task, the hash of its files), so we compare it with the task's own. The query
+    instruction resolved for the task (from the shipped file, a user file or mteb's prompt, whichever
+    applies) is recorded beside the results and compared too, so an upgrade that changes the shipped
+    instruction scores again. An unreadable result is an error naming the file, never a silent rerun or a
+    crash inside mteb.
     """
     from mteb.results import TaskResult
 
@@ -290,6 +318,11 @@ def rescore_reason(cache, task, meta) -> str | None:
     if stored.dataset_revision != task.metadata.revision:
         return (f"its data changed since {path} was written "
                 f"(dataset revision {stored.dataset_revision} -> {task.metadata.revision})")
+    used = _stored_instructions(path.parent).get(task.metadata.name)
+    if used is None:
+        return f"{path.parent / INSTRUCTIONS_FILE} does not record the query instruction {path.name} was scored with"
+    if used != instruction:
+        return f"its query instruction changed since {path} was written ({used!r} -> {instruction!r})"
     return None
 
 
@@ -315,7 +348,8 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
             task = build()
             label = task.metadata.name
             apply_top_k(task, args.top_k)
-            reason = None if args.overwrite else rescore_reason(cache, task, model.mteb_model_meta)
+            instruction = model.task_instruction(task.metadata)
+            reason = None if args.overwrite else rescore_reason(cache, task, model.mteb_model_meta, instruction)
             if reason:
                 logger.warning("%s: scoring again: %s.", label, reason)
             result = mteb.evaluate(
@@ -330,6 +364,7 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
             )
             if result.exceptions:
                 raise RuntimeError("; ".join(str(e.exception) for e in result.exceptions))
+            record_instruction(results_dir, label, instruction)
             outcome.scores[label] = float(result.task_results[0].get_score())
             logger.info("%s: %s = %.4f", label, task.metadata.main_score, outcome.scores[label])
         except Exception as e:  # noqa: BLE001 - one task's failure must not lose the others
