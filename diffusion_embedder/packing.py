@@ -236,10 +236,13 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
     return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
 
 
-#: What ``packing="auto"`` does per (device type, attention implementation): bench/results/encode.md (CPU).
+#: What ``packing="auto"`` does per (device type, attention implementation). CPU: padded, because
+#: bench/encode_vs_llm2vec.py measured packed rows slower there (every packed forward carries a mask,
+#: and length-sorted padded batches of that corpus were already 0.98 full; bench/results/encode.md).
+#: CUDA: packed, not measured yet (bench/gpu.sh measures padded vs packed, sdpa vs flex).
 AUTO_PACKING: dict[tuple[str, str], bool] = {
-    ("cpu", "sdpa"): True,
-    ("cpu", "eager"): True,
+    ("cpu", "sdpa"): False,
+    ("cpu", "eager"): False,
     ("cpu", "flex_attention"): False,
     ("cuda", "sdpa"): True,
     ("cuda", "eager"): True,

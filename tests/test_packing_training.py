@@ -47,3 +47,16 @@ def test_pack_length_setting_reaches_the_collator(tmp_path, monkeypatch):
         make_config(tmp_path, pack_length=0)
     with pytest.raises(ValueError, match="pack_length must be an integer >= 1"):
         ContrastiveCollator(lambda pairs: {}, pack_length=0)
+
+
+def test_checkpointing_flag_reaches_the_model_on_either_transformers_spelling(tmp_path):
+    """5.23 says activation_checkpointing, 5.17 (the GPU machines) gradient_checkpointing: both reach the model."""
+    from diffusion_embedder.training.model import prepare_encoder
+
+    cfg = make_config(tmp_path, gradient_checkpointing=True)
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    assert encoder.model.base_model.model.is_gradient_checkpointing
+    assert not cfg.training.gradient_checkpointing  # done on the inner model, not by the Trainer
+    plain = make_config(tmp_path)
+    plain_encoder = prepare_encoder(plain.model, plain.custom, plain.training)
+    assert not plain_encoder.model.base_model.model.is_gradient_checkpointing

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from diffusion_embedder.encoder import Encoder
 
 logger = logging.getLogger(__name__)
@@ -48,12 +50,30 @@ def prepare_encoder(model_args, custom, training_args) -> Encoder:
             task_type=None,
         )
         encoder.model = get_peft_model(encoder.model, lora)
-    if training_args.activation_checkpointing:
-        kwargs = {"use_reentrant": False, **(training_args.activation_checkpointing_kwargs or {})}
-        encoder.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        # The Trainer would call this on the Encoder, which has no such method: it is done here.
-        training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+    # The Trainer would call this on the Encoder, which has no such method: it is done here.
+    enable_checkpointing(encoder.model, training_args)
     trainable = sum(p.numel() for p in encoder.parameters() if p.requires_grad)
     total = sum(p.numel() for p in encoder.parameters())
     logger.info("Trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))
     return encoder
+
+
+def enable_checkpointing(model: torch.nn.Module, training_args) -> None:
+    """Turn on activation checkpointing on ``model`` if the arguments ask for it, then clear the flag.
+
+    transformers 5.23 names it ``activation_checkpointing``; 5.17 (on the GPU machines) only knows
+    ``gradient_checkpointing``: both spellings are read, and the model's own method is used.
+    """
+    enabled = getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing
+    if not enabled:
+        return
+    user = (getattr(training_args, "activation_checkpointing_kwargs", None)
+            or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})
+    kwargs = {"use_reentrant": False, **user}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    training_args.gradient_checkpointing = False
+    if hasattr(training_args, "activation_checkpointing"):
+        training_args.activation_checkpointing = False

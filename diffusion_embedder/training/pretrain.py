@@ -41,6 +41,7 @@ from diffusion_embedder.objectives import (
     mask_token_for,
 )
 from diffusion_embedder.training.arguments import LORA_TARGETS, ConfigError, StageSchema, read_config_values
+from diffusion_embedder.training.model import enable_checkpointing
 from diffusion_embedder.training.run import fit, open_run
 from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer
 
@@ -168,10 +169,7 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
         lm.get_output_embeddings().weight.requires_grad_(False)  # the output is the adapter alone
         for config in lm.model.peft_config.values():
             config.base_model_name_or_path = base
-    if t.activation_checkpointing:
-        kwargs = {"use_reentrant": False, **(t.activation_checkpointing_kwargs or {})}
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        t.activation_checkpointing = t.gradient_checkpointing = False  # done here, on the inner model
+    enable_checkpointing(lm, t)  # done here, on the inner model
     trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     logger.info("Trainable parameters: %d of %d", trainable, sum(p.numel() for p in lm.parameters()))
     return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training)
