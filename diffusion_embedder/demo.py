@@ -149,12 +149,24 @@ def scores_of(results_dir: str, task_name: str) -> dict[str, float]:
     return {"ndcg_at_10": split["ndcg_at_10"], "recall_at_100": split["recall_at_100"]}
 
 
-def evaluate_models(models: dict[str, tuple[str, bool]], task: Path, output_dir: Path) -> dict[str, dict]:
-    """Evaluate each ``label -> (checkpoint, bidirectional)`` on the local task through mteb, in one process."""
+def training_settings(config: Path) -> dict:
+    """The encoder settings a training config gives its checkpoints, so an untrained model is scored the same way
+    (lengths, pooling, instruction handling): otherwise "trained vs untrained" also compares settings."""
+    values = json.loads(config.read_text())
+    return {
+        "max_length": values.get("max_length", values.get("max_seq_length")),
+        "doc_max_length": values["doc_max_length"],
+        "skip_instruction": values["skip_instruction"],
+        "pooling_mode": values["pooling_mode"],
+    }
+
+
+def evaluate_models(models: dict[str, tuple], task: Path, output_dir: Path) -> dict[str, dict]:
+    """Evaluate each ``label -> (checkpoint, bidirectional[, settings])`` on the local task through mteb."""
     from diffusion_embedder.evaluation import run as evaluation
 
     scores = {}
-    for label, (checkpoint, bidirectional) in models.items():
+    for label, (checkpoint, bidirectional, *settings) in models.items():
         args = evaluation.EvalArguments(
             base_model_name_or_path=checkpoint,
             local_task=[str(task)],
@@ -163,6 +175,7 @@ def evaluate_models(models: dict[str, tuple[str, bool]], task: Path, output_dir:
             batch_size=64,
             model_name=f"demo/{label}",
             show_progress_bar=True,
+            **(settings[0] if settings else {}),
         )
         model = evaluation.wrap_encoder(evaluation.load_encoder(args), args)
         outcome = evaluation.evaluate(model, evaluation.task_factories(args), args)
@@ -202,7 +215,8 @@ def run_demo(settings: DemoSettings) -> dict[str, dict]:
     checkpoints = {arm: train_arm(arm, init, out / "checkpoints" / arm, settings) for arm in ARMS}
     models = {}
     for arm in ARMS:
-        models[f"{arm}-untrained"] = (str(init), arm == "bidirectional")
+        settings_ = training_settings(settings.config_dir / f"{arm}.json")
+        models[f"{arm}-untrained"] = (str(init), arm == "bidirectional", settings_)
         models[f"{arm}-trained"] = (str(checkpoints[arm]), arm == "bidirectional")
     scores = evaluate_models(models, task, out)
     for arm in ARMS:

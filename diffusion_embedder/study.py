@@ -40,6 +40,7 @@ from diffusion_embedder.demo import (
     final_training_loss,
     learned,
     read_jsonl_gz,
+    training_settings,
 )
 from diffusion_embedder.demo_model import TinyModelConfig, make_tiny_dream
 from diffusion_embedder.objectives import OBJECTIVES, ObjectiveOptions, mask_token_for
@@ -196,7 +197,8 @@ def run_study(settings: StudySettings) -> dict[str, dict]:
     checkpoints = {label: embed(label, lms[lm], bidi, settings) for label, (lm, bidi) in EMBEDDERS.items()}
     models = {}
     for label, (lm, bidi) in EMBEDDERS.items():
-        models[f"{label}-untrained"] = (str(lms[lm]), bidi)
+        config = DEMO_CONFIGS / ("bidirectional.json" if bidi else "causal.json")
+        models[f"{label}-untrained"] = (str(lms[lm]), bidi, training_settings(config))
         models[f"{label}-trained"] = (str(checkpoints[label]), bidi)
     scores = evaluate_models(models, task, out)
     rows = {}

@@ -34,11 +34,11 @@ def test_training_raises_ndcg_on_heldout_concepts(tmp_path: Path):
     settings = DemoSettings(tmp_path, max_queries=100, max_steps=60)
     scores = run_demo(settings)
     assert set(scores) == {"bidirectional-untrained", "bidirectional-trained", "causal-untrained", "causal-trained"}
-    # The arm that should learn (bidirectional) gains a clear margin on unseen concepts (one run measured
-    # 21.4 -> 34.7 nDCG@10 with these settings) and loses no recall.
+    # The arm that should learn (bidirectional) gains a clear margin on unseen concepts, both scored with the same
+    # encoder settings (one run measured nDCG@10 29.9 -> 34.7 and Recall@100 62.6 -> 74.8; with lr 1e-9 both stay).
     before, after = scores["bidirectional-untrained"], scores["bidirectional-trained"]
-    assert after["ndcg_at_10"] >= before["ndcg_at_10"] + 0.06, (before, after)
-    assert after["recall_at_100"] >= before["recall_at_100"], (before, after)
+    assert after["ndcg_at_10"] >= before["ndcg_at_10"] + 0.025, (before, after)
+    assert after["recall_at_100"] >= before["recall_at_100"] + 0.06, (before, after)
     # The table reports each arm's final training loss next to chance, ln(2 x 32 candidates).
     for arm in ("bidirectional", "causal"):
         assert scores[f"{arm}-trained"]["chance_loss"] == pytest.approx(math.log(64))
