@@ -20,12 +20,10 @@ import gc
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import TrainingArguments
 
@@ -42,8 +40,8 @@ from diffusion_embedder.objectives import (
 )
 from diffusion_embedder.training.arguments import LORA_TARGETS, ConfigError, StageSchema, read_config_values
 from diffusion_embedder.training.model import enable_checkpointing
-from diffusion_embedder.training.run import fit, open_run
-from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer
+from diffusion_embedder.training.run import fit, open_run, run_cli
+from diffusion_embedder.training.trainer import RunTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -253,24 +251,9 @@ def train(values: dict[str, Any], source: str = "config") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: exit status 0 on success, 2 for a bad config, 1 for a diverged run."""
-    logging.basicConfig(
-        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
-    )
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    try:
-        values = read_config_values(argv[0], argv[1:], LM_STAGE.classes)
-        train(values, source=f"config {argv[0]}")
-    except ConfigError as err:
-        logger.error("%s", err)
-        return 2
-    except NonFiniteLossError as err:
-        logger.error("%s", err)
-        return 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    """MNTP / masked-diffusion / causal-LM adaptation from a JSON config."""
+    return run_cli(argv, USAGE, lambda: USAGE, start)
+
+
+def start(argv: list[str]) -> None:
+    train(read_config_values(argv[0], argv[1:], LM_STAGE.classes), source=f"config {argv[0]}")

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -230,18 +231,22 @@ def train(cfg: TrainConfig) -> str:
         gc.collect()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: exit status 0 on success, 2 for a bad config, 1 for a diverged run."""
+def run_cli(
+    argv: list[str] | None, usage: str, help_text: Callable[[], str], start: Callable[[list[str]], object]
+) -> int:
+    """Shared entry of every training stage: exit status 0 on success, 2 for a bad config, 1 for a diverged run.
+
+    ``start`` receives ``[CONFIG.json, --key value ...]`` and runs the stage.
+    """
     logging.basicConfig(
         format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
     )
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(help_text() if argv else USAGE)
+        print(help_text() if argv else usage)
         return 0 if argv else 2
     try:
-        cfg = parse_args(argv)
-        train(cfg)
+        start(argv)
     except ConfigError as err:
         logger.error("%s", err)
         return 2
@@ -252,3 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Supervised contrastive training from a JSON config."""
+    return run_cli(argv, USAGE, help_text, lambda args: train(parse_args(args)))

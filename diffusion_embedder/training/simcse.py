@@ -10,16 +10,8 @@ MNTP folder (``model_name_or_path: MNTP_OUTPUT``) with a fresh LoRA; name the ru
 
 from __future__ import annotations
 
-import logging
-import sys
-
-import torch.distributed as dist
-
 from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, read_config_values, validate
-from diffusion_embedder.training.run import train
-from diffusion_embedder.training.trainer import NonFiniteLossError
-
-logger = logging.getLogger(__name__)
+from diffusion_embedder.training.run import run_cli, train
 
 USAGE = (
     "usage: [torchrun --nproc_per_node=N] experiments/run_simcse.py CONFIG.json [--key value ...]\n"
@@ -42,27 +34,13 @@ def check_simcse(cfg, source: str) -> None:
         raise ConfigError(f"Invalid SimCSE {source}:\n  - " + "\n  - ".join(problems))
 
 
+def start(argv: list[str]) -> None:
+    values = {**SIMCSE_DEFAULTS, **read_config_values(argv[0], argv[1:], ARGUMENT_CLASSES)}
+    cfg = validate(values, source=f"config {argv[0]}")
+    check_simcse(cfg, f"config {argv[0]}")
+    train(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: exit status 0 on success, 2 for a bad config, 1 for a diverged run."""
-    logging.basicConfig(
-        format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
-    )
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    try:
-        values = {**SIMCSE_DEFAULTS, **read_config_values(argv[0], argv[1:], ARGUMENT_CLASSES)}
-        cfg = validate(values, source=f"config {argv[0]}")
-        check_simcse(cfg, f"config {argv[0]}")
-        train(cfg)
-    except ConfigError as err:
-        logger.error("%s", err)
-        return 2
-    except NonFiniteLossError as err:
-        logger.error("%s", err)
-        return 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    """Unsupervised SimCSE from a JSON config."""
+    return run_cli(argv, USAGE, lambda: USAGE, start)
