@@ -236,12 +236,13 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
     return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
 
 
-#: What ``packing="auto"`` does per (device type, attention implementation). CPU: padded, because
-#: bench/encode_vs_llm2vec.py measured packed rows slower there (every packed forward carries a mask,
-#: and length-sorted padded batches of that corpus were already 0.98 full; bench/results/encode.md).
-#: CUDA: packed, not measured yet (bench/gpu.sh measures padded vs packed, sdpa vs flex).
+#: What ``packing="auto"`` does per (device type, attention implementation). CPU with sdpa: packed, because
+#: bench/encode_vs_llm2vec.py on an idle machine measured packed rows faster than length-sorted padded batches
+#: (13.3 / 13.9 s vs 15.3 / 14.2 s; bench/results/encode.md). CPU eager and flex_attention: padded (not
+#: measured; flex compiles on CPU). CUDA: packed, not measured yet (bench/gpu.sh measures padded vs packed,
+#: sdpa vs flex).
 AUTO_PACKING: dict[tuple[str, str], bool] = {
-    ("cpu", "sdpa"): False,
+    ("cpu", "sdpa"): True,
     ("cpu", "eager"): False,
     ("cpu", "flex_attention"): False,
     ("cuda", "sdpa"): True,
