@@ -101,3 +101,10 @@ def test_value_labels_stand_upright_above_their_own_bars(figures):
         bars = [bar for container in ax.containers for bar in container]
         assert len(labels) == len(bars)
         assert ax.get_ylim()[1] >= 1.2 * max(bar.get_height() for bar in bars) - 1e-9  # room for the labels
+
+
+def test_a_label_carries_its_settings_only_where_names_clash():
+    """Runs told apart by name (the demo's four arms) get no settings string squeezing the chart; the key has it."""
+    runs = ["demo/bidir-untrained@940caecf (doc_max_length=128,enable_bidirectional=True,max_length=128)",
+            "demo/bidir-trained@eb723e58 (enable_bidirectional=True)"]
+    assert report.short_labels(runs) == {runs[0]: "bidir-untrained", runs[1]: "bidir-trained"}

@@ -77,24 +77,26 @@ class ResultTable:
 
 def short_labels(models: list[str]) -> dict[str, str]:
     """The run's own name (``diffusion_embedder/`` and the revision dropped; its middle cut beyond
-    ``SHORT_LABEL_CHARS``) plus its experiment; the revision comes back where two columns would read the same."""
+    ``SHORT_LABEL_CHARS``); its experiment, then its revision, come back only where two columns would read the
+    same (the key spells out every label in full)."""
 
-    def shorten(label: str, keep_revision: bool) -> str:
+    def shorten(label: str, detail: int) -> str:
         name, _, rest = label.partition("@")
         revision, _, experiment = rest.partition(" ")
         short = name.rsplit("/", 1)[-1]
         if len(short) > SHORT_LABEL_CHARS:  # cut the middle: the run's start and its checkpoint number stay
             half = (SHORT_LABEL_CHARS - 1) // 2
             short = short[:half] + "…" + short[-half:]
-        if keep_revision:
+        if detail >= 2:
             short += f"@{revision[:6]}"
-        if experiment:
+        if detail >= 1 and experiment:
             short += " " + experiment.replace("enable_bidirectional", "bidir").replace("pooling_mode", "pool")
         return short
 
-    out = {m: shorten(m, False) for m in models}
-    clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
-    out = {m: shorten(m, True) if v in clashes else v for m, v in out.items()}
+    out = {m: shorten(m, 0) for m in models}
+    for detail in (1, 2):
+        clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
+        out = {m: shorten(m, detail) if v in clashes else v for m, v in out.items()}
     clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
     return {m: f"{v} #{i + 1}" if v in clashes else v for i, (m, v) in enumerate(out.items())}
 
