@@ -8,6 +8,7 @@ The training config's model fields and the evaluation CLI's flags are derived fr
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import types
 import typing
@@ -135,22 +136,33 @@ def describe_type(tp: typing.Any) -> str:
 
 
 def matches_type(value: typing.Any, tp: typing.Any) -> bool:
-    """Whether a (JSON) value fits a field type: bool is not an int, a list fits a tuple."""
-    origin = typing.get_origin(tp)
+    """Whether a (JSON) value fits a dataclass field type: bool is not an int, an int is a float, a list fits a
+    tuple; a type this cannot judge (a library's own object) is left to that library."""
+    if tp is typing.Any:
+        return True
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(matches_type(value, a) for a in typing.get_args(tp))
+        return any(matches_type(value, a) for a in args)
+    if origin is typing.Literal:
+        return value in args
     if tp is type(None):
         return value is None
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
     if tp is str:
         return isinstance(value, str)
-    if origin in (tuple, list):
-        return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return isinstance(value, tp) or value in {m.value for m in tp}
+    if origin in (tuple, list) or tp in (tuple, list):
+        return isinstance(value, list | tuple) and (not args or all(matches_type(v, args[0]) for v in value))
     if origin is dict or tp is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+        return isinstance(value, dict) and (
+            not args or all(matches_type(k, args[0]) and matches_type(v, args[1]) for k, v in value.items())
+        )
     return True
 
 

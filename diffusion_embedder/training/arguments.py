@@ -23,7 +23,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from diffusion_embedder.config import field_types as encoder_field_types
-from diffusion_embedder.config import setting_fields, value_problem
+from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.data import DATASET_READERS
 from diffusion_embedder.dtypes import TORCH_DTYPES
 
@@ -251,35 +251,6 @@ def _describe(tp: Any) -> str:
     return _type_name(tp)
 
 
-def _matches(value: Any, tp: Any) -> bool:
-    """Whether a JSON value fits a dataclass field type (bool is not an int; an int is a float)."""
-    if tp is Any:
-        return True
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return value in typing.get_args(tp)
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in {m.value for m in tp}
-    if origin is list or tp is list:
-        args = typing.get_args(tp)
-        return isinstance(value, list) and (not args or all(_matches(v, args[0]) for v in value))
-    if origin is dict or tp is dict:
-        return isinstance(value, dict)
-    return True  # library-specific objects (e.g. ParallelismConfig): left to the library
-
-
 def _enum_choices(tp: Any) -> list[str] | None:
     """Allowed strings of an ``Enum | str`` field (e.g. lr_scheduler_type), so a typo is caught early."""
     for arg in typing.get_args(tp):
@@ -300,17 +271,17 @@ def _field_table(classes: tuple[type, ...] = ARGUMENT_CLASSES) -> dict[str, tupl
 def _parse_cli_value(raw: str, tp: Any) -> Any:
     """A ``--key value`` string as the field's type: JSON first (numbers, true/false, null, lists)."""
     lowered = raw.strip().lower()
-    if _matches(True, tp) and lowered in ("true", "yes", "1", "false", "no", "0"):
+    if matches_type(True, tp) and lowered in ("true", "yes", "1", "false", "no", "0"):
         return lowered in ("true", "yes", "1")
-    if lowered == "null" or (lowered == "none" and not _matches("none", tp)):
+    if lowered == "null" or (lowered == "none" and not matches_type("none", tp)):
         return None  # "none" stays a string where one is allowed (report_to none)
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         return raw
-    if _matches(value, tp):
+    if matches_type(value, tp):
         return value
-    return raw if _matches(raw, tp) else value
+    return raw if matches_type(raw, tp) else value
 
 
 def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSES) -> dict[str, Any]:
@@ -330,7 +301,7 @@ def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSE
         if not eq:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             if not has_value:
-                if not _matches(True, tp):
+                if not matches_type(True, tp):
                     raise ConfigError(f"--{key} needs a value.")
                 out[key] = True
                 i += 1
@@ -354,7 +325,7 @@ def _value_errors(
             errors.append(f"unknown key {key!r}{hint}")
             continue
         _, _, tp = table[key]
-        if not _matches(value, tp):
+        if not matches_type(value, tp):
             errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {_describe(tp)}")
             continue
         allowed = choices.get(key) or (_enum_choices(tp) if isinstance(value, str) else None)
@@ -389,7 +360,7 @@ def validate(values: dict[str, Any], source: str = "config") -> TrainConfig:
     values, errors = canonical_names(values)
     errors += _value_errors(values, table, CHOICES, ARGUMENT_CLASSES[:3])
     for key, value in values.items():  # EncoderConfig's own checks (prompt_template, lengths...)
-        if key in SETTING_NAMES and key not in CHOICES and _matches(value, table[key][2]):
+        if key in SETTING_NAMES and key not in CHOICES and matches_type(value, table[key][2]):
             errors += [problem for problem in [value_problem(key, value)] if problem]
     for name in REQUIRED_TRAINING:
         if values.get(name) is None:
