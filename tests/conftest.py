@@ -124,3 +124,14 @@ def tiny_full_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("full")
     torchrun(out)
     return out / TINY_RUN_ID
+
+
+#: Mixed inputs (pairs with and without an instruction, plain strings, short and long) for equality tests.
+MIXED_TEXTS = [
+    ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
+    ["", "Two pointers sweep the array from both ends."],
+    "Short.",
+    ["Retrieve text based on user query", "What is the capital of France? It is a city on the Seine " * 3],
+    ["Find the formula", "x"],
+    "A second short one, a little longer than the first short one.",
+]

@@ -14,6 +14,7 @@ from conftest import (
     FAMILIES,
     LLAMA_FIXTURE,
     MISTRAL_FIXTURE,
+    MIXED_TEXTS,
     REFERENCE_FAMILIES,
     default_attention,
 )
@@ -24,13 +25,7 @@ from diffusion_embedder.encoder import length_batches
 from diffusion_embedder.pooling import POOLING_MODES, pool
 from diffusion_embedder.templates import SEPARATOR, parse_input, render
 
-TEXTS = [
-    ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
-    ["", "Two pointers sweep the array from both ends."],
-    "Short.",
-    ["Retrieve text based on user query", "What is the capital of France? It is a city on the Seine " * 3],
-    ["Find the formula", "x"],
-]
+TEXTS = MIXED_TEXTS[:5]
 
 
 def encoder_for(path, **kwargs) -> Encoder:

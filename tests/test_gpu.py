@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, LLAMA_FIXTURE, default_attention
+from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_backbone, set_bidirectional
@@ -21,14 +21,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)"),
 ]
 
-TEXTS = [
-    ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
-    ["", "Two pointers sweep the array from both ends."],
-    "Short.",
-    ["Retrieve text based on user query", "What is the capital of France? It is a city on the Seine " * 3],
-    ["Find the formula", "x"],
-    "A second short one, a little longer than the first short one.",
-]
+TEXTS = MIXED_TEXTS
 #: Qwen2.5-7B (Dream-7B) and LLaDA-8B (run as a Llama-shaped model) with random weights.
 SHAPES_7B = {
     "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,

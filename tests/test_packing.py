@@ -6,20 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, LLAMA_FIXTURE, default_attention
+from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
 
 from diffusion_embedder import Encoder
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.pooling import POOLING_MODES
 
-TEXTS = [
-    ["Given a math problem, retrieve the theorem", "A triangle has sides 3, 4 and 5. Find its area."],
-    ["", "Two pointers sweep the array from both ends."],
-    "Short.",
-    ["Retrieve text based on user query", "What is the capital of France? It is a city on the Seine " * 3],
-    ["Find the formula", "x"],
-    "A second short one, a little longer than the first short one.",
-]
+TEXTS = MIXED_TEXTS
 #: Small enough that rows hold several texts and the longest text gets a row of its own.
 PACK_LENGTH = 48
 
