@@ -34,6 +34,15 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return help_
 
 
+def default_text(f: dataclasses.Field) -> str:
+    """A field's default as help shows it: its repr, or "required"."""
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return "required"
+
+
 def fields_help(classes: typing.Iterable[type], choices: dict[str, tuple] | None = None) -> str:
     """One line per dataclass field: ``--name TYPE (default: ...; one of ...) help``."""
     lines = []
@@ -41,12 +50,7 @@ def fields_help(classes: typing.Iterable[type], choices: dict[str, tuple] | None
         lines.append(f"\n{cls.__name__}:")
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                default = repr(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                default = repr(f.default_factory())
-            else:
-                default = "required"
+            default = default_text(f)
             allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
             listed = f"; one of {', '.join(map(str, allowed))}" if allowed else ""
             type_name = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")

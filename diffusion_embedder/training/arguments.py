@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from diffusion_embedder.clihelp import default_text
 from diffusion_embedder.config import field_types as encoder_field_types
 from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.data import DATASET_READERS
@@ -439,12 +440,7 @@ def field_docs() -> list[tuple[str, str, str, str]]:
     for cls in ARGUMENT_CLASSES[:3]:
         hints = _hints(cls)
         for name, f in _fields(cls).items():
-            if f.default is not dataclasses.MISSING:
-                default = repr(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                default = repr(f.default_factory())
-            else:
-                default = "required"
+            default = default_text(f)
             choices = CHOICES.get(name)
             listed = f" One of {', '.join(str(c) for c in choices)}." if choices else ""
             help_ = f"{default}: {f.metadata.get('help', '')}{listed}"
