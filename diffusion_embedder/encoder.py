@@ -420,6 +420,7 @@ class Encoder(nn.Module):
         (done automatically when several GPUs are visible).
         """
         check_precision(precision)
+        check_batch_size(batch_size)
         single = isinstance(sentences, str)
         if _is_single_triple(sentences):
             sentences = [sentences]  # as LLM2Vec: one [instruction, text, id] input
@@ -430,14 +431,13 @@ class Encoder(nn.Module):
         if not items:
             out = torch.zeros((0, self.embedding_dim), dtype=torch.float32)
         else:
-            lengths = {"max_length": max_length, "doc_max_length": doc_max_length}
-            call = self.config.replace(**{k: v for k, v in lengths.items() if v is not None})  # validated
+            overrides = {"max_length": max_length, "doc_max_length": doc_max_length}
+            call = self.config.replace(**{k: v for k, v in overrides.items() if v is not None})  # validated
             tokenized = self._tokenize_items(items, doc_max_length=call.doc_max_length, max_length=call.max_length)
             lengths = [len(t.input_ids) for t in tokenized]
             devices = _resolve_devices(device, self)
             device_type = torch.device(devices[0] or self.device).type
             collate = self._collate
-            check_batch_size(batch_size)
             if packing_mod.use_packing(packing, self.model, device_type, max(lengths)):
                 width = packing_mod.row_length(lengths, device_type)
                 rows = batch_size
