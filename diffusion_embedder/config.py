@@ -111,11 +111,6 @@ def _fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(EncoderConfig)}
 
 
-def default_of(f: dataclasses.Field):
-    """A field's default value (a fresh one for factories)."""
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
 def setting_fields() -> list[dataclasses.Field]:
     """The user-facing settings, in declaration order (what configs and CLIs expose)."""
     return [f for f in dataclasses.fields(EncoderConfig) if f.metadata.get("setting")]
