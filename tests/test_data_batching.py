@@ -85,10 +85,23 @@ def test_order_is_deterministic_per_seed_and_epoch():
     assert homogeneous_order(GROUPS, 4, seed=1, epoch=0) == first
 
 
+def test_group_by_none_mixes_groups_in_full_global_batches():
+    sampler = HomogeneousSampler(GROUPS, 4, world_size=2, gradient_accumulation_steps=2, group_by="none", seed=3)
+    steps = optimizer_steps(rank_batches(sampler, 4, 2), 2)
+    assert len(sampler) == len(GROUPS) - len(GROUPS) % 16 and all(len(step) == 16 for step in steps)
+    used = [i for step in steps for i in step]
+    assert len(set(used)) == len(used)
+    assert sum(len({GROUPS[i] for i in step}) > 1 for step in steps) == len(steps)  # every step mixes groups
+    again = HomogeneousSampler(GROUPS, 4, world_size=2, gradient_accumulation_steps=2, group_by="none", seed=3)
+    assert list(again) == list(sampler)  # seeded: a resume replays the order
+    again.set_epoch(1)
+    assert list(again) != list(sampler)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="no group has 64 samples"):
         HomogeneousSampler(GROUPS, 8, world_size=8)
-    with pytest.raises(ValueError, match="group_by must be 'global' or 'device'"):
+    with pytest.raises(ValueError, match="group_by must be one of 'global', 'device', 'none', got 'rank'"):
         HomogeneousSampler(GROUPS, 2, group_by="rank")
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1"):
         HomogeneousSampler(GROUPS, 2, gradient_accumulation_steps=0)

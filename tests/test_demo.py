@@ -13,6 +13,7 @@ from diffusion_embedder.demo import (
     TRAIN_SPLIT,
     DemoSettings,
     build_heldout_task,
+    learned,
     read_jsonl_gz,
     run_demo,
 )
@@ -34,15 +35,14 @@ def test_training_raises_ndcg_on_heldout_concepts(tmp_path: Path):
     settings = DemoSettings(tmp_path, max_queries=100, max_steps=60)
     scores = run_demo(settings)
     assert set(scores) == {"bidirectional-untrained", "bidirectional-trained", "causal-untrained", "causal-trained"}
-    # The arm that should learn (bidirectional) gains a clear margin on unseen concepts, both scored with the same
-    # encoder settings (one run measured nDCG@10 29.9 -> 34.7 and Recall@100 62.6 -> 74.8; with lr 1e-9 both stay).
-    before, after = scores["bidirectional-untrained"], scores["bidirectional-trained"]
-    assert after["ndcg_at_10"] >= before["ndcg_at_10"] + 0.025, (before, after)
-    assert after["recall_at_100"] >= before["recall_at_100"] + 0.06, (before, after)
-    # The table reports each arm's final training loss next to chance, ln(2 x 32 candidates).
+    # Both arms learn their training task (final loss clearly below chance, ln(2 x 32 candidates)) and carry it to
+    # unseen concepts: Recall@100 rises by a clear margin, both scored with the same encoder settings (one run of
+    # this reduced form measured bidirectional 62.6 -> 84.8 and causal 34.5 -> 56.2, final losses 3.40 and 3.30).
     for arm in ("bidirectional", "causal"):
-        assert scores[f"{arm}-trained"]["chance_loss"] == pytest.approx(math.log(64))
-        assert 0 < scores[f"{arm}-trained"]["final_loss"] < 20
+        before, after = scores[f"{arm}-untrained"], scores[f"{arm}-trained"]
+        assert after["chance_loss"] == pytest.approx(math.log(64))
+        assert learned(after["final_loss"], after["chance_loss"]), (arm, after)
+        assert after["recall_at_100"] >= before["recall_at_100"] + 0.10, (arm, before, after)
     assert "final train loss (chance)" in (tmp_path / "report" / "demo.md").read_text()
     report = tmp_path / "report"
     assert (report / "demo.md").exists() and (report / "demo.csv").exists()

@@ -146,6 +146,8 @@ def test_group_by_reaches_the_sampler(tmp_path):
     assert sampler_blocks_homogeneous(built(tmp_path / "global", *accumulated, "--group_by", "global"), 8)
     device = built(tmp_path / "device", *accumulated, "--group_by", "device")
     assert sampler_blocks_homogeneous(device, 4) and not sampler_blocks_homogeneous(device, 8)
+    mixed = built(tmp_path / "none", *accumulated, "--group_by", "none")
+    assert not sampler_blocks_homogeneous(mixed, 4)
 
 
 def test_world_size_reaches_the_sampler(tmp_path, monkeypatch):

@@ -16,6 +16,10 @@ indices. So the order is made of consecutive blocks of that global size, each fr
 
 ``group_by="device"`` uses blocks of ``per_device_batch_size`` instead, which reproduces the
 paper's fork (each rank, and each accumulation micro-step, may then see a different group).
+``group_by="none"`` ignores the groups: every batch is a seeded draw from the whole dataset (Tevatron's and
+sentence-transformers' default). Use it where a group holds many samples of the same target, so in-batch
+"negatives" would often be positives: in ReasonAug 33-89% of a same-instruction batch of 32 shares its concept
+with another query of the batch.
 The order depends only on ``(seed, epoch)``; the Trainer calls ``set_epoch`` at each epoch, and
 resuming replays the same order.
 """
@@ -31,7 +35,8 @@ from torch.utils.data import Sampler
 
 logger = logging.getLogger(__name__)
 
-GroupBy = Literal["global", "device"]
+GroupBy = Literal["global", "device", "none"]
+GROUP_BY: tuple[str, ...] = ("global", "device", "none")
 
 
 def homogeneous_order(groups: Sequence[str], block_size: int, seed: int, epoch: int = 0) -> list[int]:
@@ -93,13 +98,14 @@ class HomogeneousSampler(Sampler[int]):
         ):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if group_by == "global":
-            self.block_size = per_device_batch_size * world_size * gradient_accumulation_steps
-        elif group_by == "device":
+        if group_by not in GROUP_BY:
+            raise ValueError(f"group_by must be one of {', '.join(map(repr, GROUP_BY))}, got {group_by!r}")
+        if group_by == "device":
             self.block_size = per_device_batch_size
         else:
-            raise ValueError(f"group_by must be 'global' or 'device', got {group_by!r}")
-        self.groups = list(groups)
+            self.block_size = per_device_batch_size * world_size * gradient_accumulation_steps
+        # "none": one group, so the order is a seeded shuffle of the whole dataset in full global batches.
+        self.groups = [""] * len(groups) if group_by == "none" else list(groups)
         self.seed = seed
         self.epoch = 0
         self._order = homogeneous_order(self.groups, self.block_size, seed, 0)

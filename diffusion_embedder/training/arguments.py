@@ -26,6 +26,7 @@ from diffusion_embedder.clihelp import default_text
 from diffusion_embedder.config import field_types as encoder_field_types
 from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.data import DATASET_READERS
+from diffusion_embedder.data.batching import GROUP_BY
 from diffusion_embedder.dtypes import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N samples read."})
     group_by: str = field(
         default="global",
-        metadata={"help": "'global': one group per optimizer step (LLM2Vec); 'device': per device batch (the fork)."},
+        metadata={"help": "'global': one group per optimizer step (LLM2Vec); 'device': per device batch (the fork); "
+                         "'none': batches drawn from the whole dataset, every group mixed."},
     )
     skip_bad_lines: bool = field(default=False, metadata={"help": "Count and skip malformed records, not fail."})
 
@@ -148,7 +150,7 @@ CHOICES = {
     "attn_implementation": ATTN_IMPLEMENTATIONS,
     **{f.name: f.metadata["choices"] for f in setting_fields() if f.metadata.get("choices")},
     "dataset_name": DATASET_NAMES,
-    "group_by": ("global", "device"),
+    "group_by": GROUP_BY,
     "loss_class": LOSS_CLASSES,
 }
 
