@@ -49,12 +49,6 @@ class BackboneSpec:
     model_type: str
     #: How LLM2Vec appends the EOS string for ``eos_token`` pooling; ``{eos}`` is the tokenizer's EOS.
     eos_format: str = "{eos}"
-    #: The transformers ``model_type`` whose classes run the weights (Dream runs on Qwen2).
-    hf_model_type: str | None = None
-    #: LoRA target modules (the same 7 projections for every decoder we support).
-    #: LoRA target modules, named as in the transformers classes that run the weights (LLaDA's
-    #: ``attn_out``/``ff_proj``/``ff_out`` are ``o_proj``/``gate_proj``/``down_proj`` once mapped).
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     #: Builds the transformers config from the raw config.json of a remote-code release; None = AutoConfig.
     map_config: Callable[[dict], PretrainedConfig] | None = None
     #: Regex renames of the checkpoint's weight names onto the transformers classes (``key_mapping``).
@@ -156,10 +150,10 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("qwen3"),
         BackboneSpec("gemma"),
         BackboneSpec("gemma2"),
-        BackboneSpec("Dream", hf_model_type="qwen2", map_config=_dream_config, tokenizer_class=Qwen2Tokenizer),
+        # Dream runs on transformers' Qwen2 classes, LLaDA on Llama's (its weights renamed by key_mapping).
+        BackboneSpec("Dream", map_config=_dream_config, tokenizer_class=Qwen2Tokenizer),
         BackboneSpec(
             "llada",
-            hf_model_type="llama",
             map_config=_llada_config,
             key_mapping=LLADA_KEY_MAPPING,
             tokenizer_class=PreTrainedTokenizerFast,

@@ -32,6 +32,7 @@ from diffusion_embedder.config import (
     resolve_config,
     setting_fields,
 )
+from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
@@ -528,7 +529,7 @@ class Encoder(nn.Module):
         out = torch.empty((len(tokenized), self.embedding_dim), dtype=torch.float32)
         was_training = self.training
         self.eval()
-        with torch.inference_mode():
+        with torch.inference_mode(), onednn_linear(self.model, self.device):
             for batch in tqdm(batches, desc="Encoding", disable=not show_progress_bar):
                 features = collate([tokenized[i] for i in batch])
                 features = {k: v.to(self.device) for k, v in features.items()}

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from diffusion_embedder.cpu_linear import onednn_linear
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,7 +26,7 @@ def _worker(encoder, device: str, tasks, results) -> None:
             return
         index, features = task
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), onednn_linear(encoder.model, torch.device(device)):
                 embeddings = encoder({k: v.to(device) for k, v in features.items()}).float().cpu()
             results.put((index, embeddings, None))
         except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
