@@ -4,6 +4,8 @@ A random 4-layer, 256-wide bidirectional Llama (the llm2vec_parity tokenizer, vo
 512 real mixed-length ReasonAug texts with mean pooling, max_length 512, doc_max_length 400,
 batch size 32, 2 threads. Every run is a fresh process; the runs are interleaved (ours, LLM2Vec,
 ours, ...) so a change in machine load hits both, and the load average is printed with each run.
+``ours-packed-mkl`` is ours packed with ``DIFFUSION_EMBEDDER_ONEDNN_LINEAR=0`` (PyTorch's own MKL linear
+layers), which isolates what the oneDNN linear layers bring.
 LLM2Vec runs in its own virtual environment (transformers 4.44.2), built on first use at
 ``$LLM2VEC_ENV`` (default ``.llm2vec-env``, git-ignored; the same one bench/compat_llm2vec.sh uses):
 
@@ -22,6 +24,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: diffusion_embedder.cpu_linear.ENV_SWITCH, spelled out: the package is not importable in LLM2Vec's environment.
+ONEDNN_SWITCH = "DIFFUSION_EMBEDDER_ONEDNN_LINEAR"
 TOKENIZER = REPO / "tests" / "fixtures" / "llm2vec_parity" / "llama"
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "reasonaug"
 REFENV_PACKAGES = [
@@ -138,6 +142,8 @@ def launch(python: Path, work: Path, name: str, args: argparse.Namespace) -> dic
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(args.threads))
     if name == "llm2vec":
         env.pop("PYTHONPATH", None)
+    if name.endswith("-mkl"):
+        env[ONEDNN_SWITCH] = "0"
     load = os.getloadavg()[0]
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO)
     if out.returncode:
@@ -162,7 +168,7 @@ def main() -> None:
         if args.worker == "llm2vec":
             result = run_llm2vec(args.work, args.threads, args.batch_size)
         else:
-            result = run_ours(args.work, args.threads, args.batch_size, packing=args.worker == "ours-packed")
+            result = run_ours(args.work, args.threads, args.batch_size, packing="packed" in args.worker)
         print(json.dumps(result))
         return
 
@@ -176,7 +182,7 @@ def main() -> None:
         runs = []
         for _ in range(args.repeats):
             for name, python in (("ours-packed", sys.executable), ("llm2vec", reference),
-                                 ("ours-padded", sys.executable)):
+                                 ("ours-padded", sys.executable), ("ours-packed-mkl", sys.executable)):
                 runs.append(launch(Path(python), work, name, args))
                 r = runs[-1]
                 print(f"{name}: {r['seconds']:.1f} s, {r['tokens'] / r['seconds']:.0f} tokens/s, "
@@ -188,7 +194,7 @@ def main() -> None:
     ref = np.array(best["llm2vec"]["embeddings"])
     lines = ["| encoder | real tokens | padding efficiency | best of runs (s) | all runs (s) | tokens/s | "
              "speed-up vs LLM2Vec | load average at start |", "|---|---:|---:|---:|---|---:|---:|---|"]
-    for name in ("llm2vec", "ours-padded", "ours-packed"):
+    for name in ("llm2vec", "ours-padded", "ours-packed", "ours-packed-mkl"):
         r = best[name]
         times = ", ".join(f"{x['seconds']:.1f}" for x in runs if x["name"] == name)
         loads = ", ".join(f"{x['load']:.2f}" for x in runs if x["name"] == name)

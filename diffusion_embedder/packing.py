@@ -236,17 +236,20 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
     return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
 
 
-#: What ``packing="auto"`` does per (device type, attention implementation). CPU with sdpa: packed, because
-#: bench/encode_vs_llm2vec.py on an idle machine measured packed rows faster than length-sorted padded batches
-#: (13.3 / 13.9 s vs 15.3 / 14.2 s; bench/results/encode.md). CPU eager and flex_attention: padded (not
-#: measured; flex compiles on CPU). CUDA: packed, not measured yet (bench/gpu.sh measures padded vs packed,
-#: sdpa vs flex).
+#: What ``packing="auto"`` does per (device type, attention implementation). CPU: padded. On 2 cores with
+#: oneDNN linear layers, length-sorted padded batches beat packed rows on both corpora we measured
+#: (bench/results/encode.md): 512 ReasonAug texts cut at 400 tokens, 9.7 vs 10.7 s (padded efficiency
+#: already 0.977); 400 texts up to 2,048 tokens, 23.1 vs 36.1 s (efficiency 0.869), because a packed row is
+#: as wide as its batch's longest text and the dense block mask makes attention cost row width squared.
+#: CUDA, not measured yet (bench/gpu.sh measures padded vs packed, sdpa vs flex): padded for sdpa and eager,
+#: whose dense mask has the same width-squared cost; packed for flex_attention, whose BlockMask skips the
+#: blocks between texts.
 AUTO_PACKING: dict[tuple[str, str], bool] = {
-    ("cpu", "sdpa"): True,
+    ("cpu", "sdpa"): False,
     ("cpu", "eager"): False,
     ("cpu", "flex_attention"): False,
-    ("cuda", "sdpa"): True,
-    ("cuda", "eager"): True,
+    ("cuda", "sdpa"): False,
+    ("cuda", "eager"): False,
     ("cuda", "flex_attention"): True,
 }
 

@@ -129,16 +129,17 @@ def embed(label: str, model: Path, bidirectional: bool, settings: StudySettings)
 
 def study_table(rows: dict[str, dict]) -> str:
     lines = [
-        "| embedder | starts from | attention | nDCG@10 untrained | nDCG@10 trained | Recall@100 trained "
-        "| final train loss (chance) |",
-        "|---|---|---|---|---|---|---|",
+        "| embedder | starts from | attention | nDCG@10 untrained | nDCG@10 trained | Recall@100 untrained "
+        "| Recall@100 trained | final train loss (chance) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, r in rows.items():
         verdict = "" if learned(r["final_loss"], r["chance_loss"]) else ": near chance, did not learn"
         lines.append(
             f"| {label} | {r['lm']} | {'bidirectional' if r['bidirectional'] else 'causal'} "
             f"| {100 * r['untrained']['ndcg_at_10']:.2f} | {100 * r['trained']['ndcg_at_10']:.2f} "
-            f"| {100 * r['trained']['recall_at_100']:.2f} | {r['final_loss']:.3f} ({r['chance_loss']:.3f}){verdict} |"
+            f"| {100 * r['untrained']['recall_at_100']:.2f} | {100 * r['trained']['recall_at_100']:.2f} "
+            f"| {r['final_loss']:.3f} ({r['chance_loss']:.3f}){verdict} |"
         )
     return "\n".join(lines)
 

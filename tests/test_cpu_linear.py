@@ -20,9 +20,9 @@ def calls(monkeypatch):
     count = []
     real = cpu_linear._onednn
 
-    def counted(x, weight, bias):
-        count.append(x.shape)
-        return real(x, weight, bias)
+    def counted(x, weight, bias, post_op="none"):
+        count.append(post_op)
+        return real(x, weight, bias, post_op)
 
     monkeypatch.setattr(cpu_linear, "_onednn", counted)
     return count
@@ -58,6 +58,39 @@ def test_encode_uses_it_and_gives_the_default_paths_embeddings(calls, monkeypatc
         assert torch.allclose(fast, default, rtol=0, atol=1e-5), (fast - default).abs().max()
     # The layers are restored after encode: a forward with gradients runs PyTorch's own path.
     assert not any("forward" in m.__dict__ for m in encoder.modules() if type(m) is nn.Linear)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "Dream", "llada", "qwen3", "mistral", "gemma2"])
+def test_gated_mlps_fuse_silu_and_product_into_the_matmuls(family_checkpoint, family, calls, monkeypatch):
+    """Llama/Mistral/Qwen MLPs (LLaDA and Dream included) run SiLU and the product as oneDNN post-ops; Gemma's
+    GELU MLP only gets the plain linears. Embeddings equal PyTorch's own path either way."""
+    encoder = Encoder.from_pretrained(str(family_checkpoint(family)), torch_dtype=torch.float32)
+    fast = encoder.encode(MIXED_TEXTS, batch_size=3, show_progress_bar=False)
+    fused = calls.count("swish")
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    default = encoder.encode(MIXED_TEXTS, batch_size=3, show_progress_bar=False)
+    assert torch.allclose(fast, default, rtol=0, atol=1e-5), (family, (fast - default).abs().max())
+    layers = encoder.model.config.num_hidden_layers
+    assert fused == (0 if family == "gemma2" else layers * 2), (family, fused)  # 2 batches x every layer
+    assert calls, family
+
+
+def test_mlp_with_a_replaced_projection_is_not_fused(calls):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    mlp = LlamaMLP(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4))
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        expected = mlp(x)
+        with onednn_linear(mlp, torch.device("cpu")):
+            assert torch.allclose(mlp(x), expected, atol=1e-5)
+        assert calls.count("swish") == 1
+        calls.clear()
+        mlp.up_proj.forward = lambda t: F.linear(t, mlp.up_proj.weight)  # e.g. an accelerate hook
+        with onednn_linear(mlp, torch.device("cpu")):
+            assert torch.allclose(mlp(x), expected, atol=1e-5)
+        assert "swish" not in calls and len(calls) == 2  # gate and down, plain
 
 
 def test_never_with_gradients(calls):

@@ -54,5 +54,6 @@ def test_study_table_and_chart_report_arms_near_chance(tmp_path):
     table = study_table({"a": {**row, "final_loss": 4.1}, "b": {**row, "final_loss": 1.2}})
     lines = table.splitlines()
     assert "near chance, did not learn" in lines[2] and "near chance" not in lines[3]
+    assert lines[3].startswith("| b | clm | causal | 2.00 | 5.00 | 30.00 | 40.00 | 1.200 (4.159) |")
     plot({"a": {**row, "final_loss": 4.1}, "b": {**row, "final_loss": 1.2}}, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 1000
