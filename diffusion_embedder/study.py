@@ -188,7 +188,9 @@ def run_study(settings: StudySettings) -> dict[str, dict]:
     for objective in ("clm", "mdm"):
         lms[objective] = pretrain(objective, init, text_file, out / "lm", settings.pretrain_steps, settings,
                                   "--full_training", "true")  # fmt: skip
-    lms["clm-mntp"] = pretrain("mntp", lms["clm"], text_file, out / "lm-clm", settings.mntp_steps, settings)
+    # LLM2Vec's MNTP trains a LoRA adapter (the config's lora_r), not all weights as the two pretraining runs do.
+    lms["clm-mntp"] = pretrain("mntp", lms["clm"], text_file, out / "lm-clm", settings.mntp_steps, settings,
+                               "--full_training", "false")  # fmt: skip
     heldout_texts = list(dict.fromkeys(corpus_texts(heldout_records)))
     lm_losses = {
         f"{name} ({objective})": heldout_lm_loss(lms[name], objective, heldout_texts)
