@@ -113,6 +113,9 @@ def test_two_process_mntp_run_writes_llm2vecs_mntp_layout(mntp_run):
     assert config["model_type"] == "llama" and config["_name_or_path"] == str(LLAMA)
     adapter = json.loads((mntp_run / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(LLAMA) and adapter["r"] == 4 and adapter["lora_alpha"] == 8
+    card = (mntp_run / "README.md").read_text()
+    assert card.startswith("# mntp stage output") and "LoRA adapter" in card and str(LLAMA) in card
+    assert "Provide a quick summary" not in card  # not peft's empty template
 
 
 def test_encoder_merges_the_mntp_adapter(mntp_run):

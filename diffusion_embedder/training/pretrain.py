@@ -108,8 +108,11 @@ def experiment_id(args: LMStageArguments, t: TrainingArguments) -> str:
 class AdaptedLM(nn.Module):
     """A model with its LM head in training; ``forward`` gives logits, ``save`` writes the -mntp layout."""
 
-    def __init__(self, lm: nn.Module, tokenizer, base: str, base_config: dict[str, Any], full: bool):
+    def __init__(
+        self, lm: nn.Module, tokenizer, base: str, base_config: dict[str, Any], full: bool, objective: str
+    ):
         super().__init__()
+        self.objective = objective
         self.lm = lm
         self.tokenizer = tokenizer
         self.base = base
@@ -137,6 +140,20 @@ class AdaptedLM(nn.Module):
             if os.path.isfile(os.path.join(folder, stale)):
                 os.remove(os.path.join(folder, stale))
         self.tokenizer.save_pretrained(folder)
+        with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
+            f.write(self.model_card())  # replaces peft's empty template
+
+    def model_card(self) -> str:
+        weights = "all weights (`model.safetensors`)" if self.full else "a LoRA adapter of the inner model"
+        return (
+            f"# {self.objective} stage output (diffusion_embedder)\n\n"
+            f"Objective `{self.objective}` trained on `{self.base}`; this folder holds {weights}, the base's "
+            "`config.json` and the tokenizer (the layout of LLM2Vec's `-mntp` repos). `train_config.json` is the "
+            "complete training config.\n\n"
+            "```python\nfrom diffusion_embedder import Encoder\n\n"
+            "encoder = Encoder.from_pretrained(\"PATH\")  # merges the adapter, if any\n```\n\n"
+            "Or continue the recipe from it: `\"model_name_or_path\": \"PATH\"` in a supervised or SimCSE config.\n"
+        )
 
 
 def build_model(args: LMStageArguments, objective: Objective, t: TrainingArguments) -> AdaptedLM:
@@ -170,7 +187,7 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
     enable_checkpointing(lm, t)  # done here, on the inner model
     trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
     logger.info("Trainable parameters: %d of %d", trainable, sum(p.numel() for p in lm.parameters()))
-    return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training)
+    return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training, args.objective)
 
 
 def stack_blocks(blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
