@@ -16,17 +16,18 @@ import resource
 import time
 from pathlib import Path
 
+from diffusion_embedder.demo_model import SHAPES_7B
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "reasonaug"
 TOKENIZER = REPO / "tests" / "fixtures" / "dream_reference"
 
 PRESETS = {
     # A small Qwen2-shaped model for CPU runs.
-    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024),
+    "tiny": ("qwen2", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=1024)),
     # Dream-7B / Qwen2.5-7B shape.
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064),
+    "qwen2.5-7b": SHAPES_7B["qwen2.5-7b"],
 }
 
 
@@ -46,20 +47,12 @@ def load_corpus(data_dir: Path, limit: int) -> list[str]:
 
 def build_encoder(preset: str, device: str, dtype: str, attn: str, max_length: int):
     import torch
-    from transformers import AutoConfig, AutoModel
 
-    from diffusion_embedder import Encoder
-    from diffusion_embedder.backbones import check_attention, load_tokenizer, set_bidirectional
+    from diffusion_embedder.demo_model import random_encoder
 
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen2", **PRESETS[preset], max_position_embeddings=32768)
-    with torch.device(device):
-        model = AutoModel.from_config(config, dtype=getattr(torch, dtype), attn_implementation=attn)
-    set_bidirectional(model, True)
-    check_attention(model, expect_bidirectional=True)
-    tokenizer = load_tokenizer(str(TOKENIZER))
-    return Encoder(model.eval(), tokenizer, max_length=max_length, doc_max_length=max_length,
-                   model_type="qwen2", base_model_name_or_path=f"random-{preset}")
+    model_type, dims = PRESETS[preset]
+    return random_encoder(model_type, dims, TOKENIZER, device=device, dtype=getattr(torch, dtype), attn=attn,
+                          max_length=max_length, base_model_name_or_path=f"random-{preset}")
 
 
 def run_one(args: argparse.Namespace, budget: int | None, attn: str, queue) -> None:

@@ -18,34 +18,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "tests" / "fixtures" / "llm2vec_parity" / "llama"
-SHAPES = {
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
-    "llada-8b": ("llama", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, vocab_size=126464)),
-}
 #: Dense bf16 peaks (TFLOP/s) by device name fragment, for MFU.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
 def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: int, docs: int, budget: int) -> dict:
     import torch
-    from transformers import AutoConfig, AutoModel
 
-    from diffusion_embedder import Encoder
-    from diffusion_embedder.backbones import check_attention, load_tokenizer, set_bidirectional
+    from diffusion_embedder.demo_model import SHAPES_7B, random_encoder
     from diffusion_embedder.encoder import _Tokenized, length_batches
     from diffusion_embedder.packing import plan_batches, row_length
 
-    model_type, dims = SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **dims, max_position_embeddings=32768)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
-    set_bidirectional(model, True)
-    check_attention(model, expect_bidirectional=True)
-    encoder = Encoder(model.eval(), load_tokenizer(str(TOKENIZER)), model_type=model_type,
-                      max_length=32768, doc_max_length=32768)
+    model_type, dims = SHAPES_7B[shape]
+    encoder = random_encoder(model_type, dims, TOKENIZER, device="cuda", dtype=torch.bfloat16, attn=attn)
     generator = torch.Generator().manual_seed(0)
     if lengths_kind == "fixed":
         lengths = [max_length] * docs
@@ -71,7 +56,8 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
             encoder(f)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    params = sum(p.numel() for p in model.parameters() if p.dim() > 1) - dims["vocab_size"] * dims["hidden_size"]
+    embedding = dims["vocab_size"] * dims["hidden_size"]
+    params = sum(p.numel() for p in encoder.model.parameters() if p.dim() > 1) - embedding
     real = sum(lengths)
     # Useful FLOPs: 2 x non-embedding params per real token, plus attention (QK^T and AV) within each text.
     flops = 2 * params * real + sum(4 * n * n * dims["hidden_size"] * dims["num_hidden_layers"] for n in lengths)
@@ -84,8 +70,10 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
 
 
 def main() -> None:
+    from diffusion_embedder.demo_model import SHAPES_7B
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES_7B), choices=list(SHAPES_7B))
     parser.add_argument("--attn", nargs="+", default=["sdpa", "flex_attention"])
     parser.add_argument("--max-length", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--docs", type=int, default=256)
