@@ -135,3 +135,12 @@ MIXED_TEXTS = [
     ["Find the formula", "x"],
     "A second short one, a little longer than the first short one.",
 ]
+
+
+def randomize_lora_b(model: torch.nn.Module, std: float) -> None:
+    """Non-zero LoRA B matrices (peft starts them at zero), so an adapter changes the output and LoRA A gets
+    gradients; drawn from the global RNG, which the caller seeds."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)

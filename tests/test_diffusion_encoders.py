@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DREAM_FIXTURE, LLADA_FIXTURE, LLAMA_FIXTURE
+from conftest import DREAM_FIXTURE, LLADA_FIXTURE, LLAMA_FIXTURE, randomize_lora_b
 from peft import LoraConfig, get_peft_model
 
 from diffusion_embedder import Encoder
@@ -29,9 +29,7 @@ def test_llada_lora_save_and_reload_records_the_base(tmp_path):
     wrapped = {n.rsplit(".", 1)[0] for n, _ in encoder.model.named_parameters() if "lora_B" in n}
     assert len(wrapped) == 2 * 7  # the default targets name every mapped projection of both blocks
     torch.manual_seed(0)
-    for name, param in encoder.model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.5)
+    randomize_lora_b(encoder.model, 0.5)
     expected = encoder.encode(TEXTS, show_progress_bar=False)
     assert not torch.allclose(expected, base, atol=1e-3)
 

@@ -17,6 +17,7 @@ from conftest import (
     MIXED_TEXTS,
     REFERENCE_FAMILIES,
     default_attention,
+    randomize_lora_b,
 )
 from peft import LoraConfig, get_peft_model
 
@@ -132,9 +133,7 @@ def _with_random_lora(encoder: Encoder, seed: int = 0) -> Encoder:
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     encoder.model = get_peft_model(encoder.model, config)
     torch.manual_seed(seed)
-    for name, param in encoder.model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.5)
+    randomize_lora_b(encoder.model, 0.5)
     return encoder
 
 

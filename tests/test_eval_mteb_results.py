@@ -16,7 +16,7 @@ os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
 import mteb  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE  # noqa: E402
+from conftest import LLAMA_FIXTURE, randomize_lora_b  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from diffusion_embedder import Encoder, cli  # noqa: E402
@@ -39,9 +39,7 @@ def trained(tmp_path_factory):
     encoder = load(LLAMA_FIXTURE)
     encoder.model = get_peft_model(encoder.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(0)
-    for name, param in encoder.model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.5)
+    randomize_lora_b(encoder.model, 0.5)
     encoder.save(str(checkpoint))
     (checkpoint / "train_config.json").write_text(json.dumps({"dataset_name": "ReasonAug", "learning_rate": 1e-4}))
     merged = run_dir / "merged"

@@ -10,10 +10,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
+from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention, randomize_lora_b
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_backbone, set_bidirectional
+from diffusion_embedder.demo_model import SHAPES_7B, random_encoder
 from diffusion_embedder.pooling import POOLING_MODES
 
 pytestmark = [
@@ -22,13 +23,6 @@ pytestmark = [
 ]
 
 TEXTS = MIXED_TEXTS
-#: Qwen2.5-7B (Dream-7B) and LLaDA-8B (run as a Llama-shaped model) with random weights.
-SHAPES_7B = {
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064)),
-    "llada-8b": ("llama", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=32, vocab_size=126464)),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -114,10 +108,7 @@ def test_grad_cache_with_cuda_rng_states_equals_direct_path(tmp_path):
 
     trainer = make_trainer(tmp_path, lora_dropout=0.3, use_cpu=False)
     assert trainer.model.device.type == "cuda"
-    with torch.no_grad():
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    randomize_lora_b(trainer.model, 0.05)
     samples = [trainer.train_dataset[i] for i in range(6)]
     inputs = trainer._prepare_inputs(trainer.data_collator(samples))
     torch.cuda.manual_seed(0)
@@ -129,19 +120,8 @@ def test_grad_cache_with_cuda_rng_states_equals_direct_path(tmp_path):
 
 # --------------------------------------------------------------------------------------- 7B shapes
 def random_7b(shape: str, attn: str = "sdpa") -> Encoder:
-    from transformers import AutoConfig, AutoModel
-
-    from diffusion_embedder.backbones import load_tokenizer
-
     model_type, dims = SHAPES_7B[shape]
-    config = AutoConfig.for_model(model_type, **dims, max_position_embeddings=32768)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModel.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
-    set_bidirectional(model, True)
-    check_attention(model, expect_bidirectional=True)
-    return Encoder(model.eval(), load_tokenizer(str(LLAMA_FIXTURE)), model_type=model_type, max_length=32768,
-                   doc_max_length=32768)
+    return random_encoder(model_type, dims, LLAMA_FIXTURE, device="cuda", dtype=torch.bfloat16, attn=attn)
 
 
 def random_text(tokens: int, encoder: Encoder, seed: int = 0) -> str:

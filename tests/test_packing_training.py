@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import randomize_lora_b
 from test_training_trainer import PAIRS, assert_same, make_config, make_trainer, step_grads
 
 from diffusion_embedder.data import ContrastiveCollator
@@ -14,10 +14,7 @@ from diffusion_embedder.training.arguments import ConfigError
 @pytest.mark.parametrize("negatives", [1, 2])
 def test_packed_training_step_equals_padded(tmp_path, negatives):
     trainer = make_trainer(tmp_path, lora_dropout=0.0)
-    with torch.no_grad():  # non-zero LoRA B, so LoRA A gets gradients too
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    randomize_lora_b(trainer.model, 0.05)
     samples = [trainer.train_dataset[i] for i in range(6)]
     for sample in samples:
         sample.negatives = (sample.negatives * negatives)[:negatives]

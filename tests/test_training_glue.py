@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG
+from conftest import ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG, randomize_lora_b
 from safetensors.torch import load_file
 from transformers import TrainingArguments
 
@@ -212,10 +212,7 @@ def grad_cache_grads(trainer: EncoderTrainer, batches, seeds, chunk: int) -> dic
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_grad_cache_replays_dropout_across_chunks_with_accumulation(tmp_path, chunk):
     trainer = built(tmp_path, "--lora_dropout", "0.3")
-    with torch.no_grad():  # non-zero LoRA B, so dropout on the LoRA path changes every gradient
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
+    randomize_lora_b(trainer.model, 0.2)  # so dropout on the LoRA path changes every gradient
     samples = [trainer.train_dataset[i] for i in range(8)]
     batches = [trainer.data_collator(samples[:4]), trainer.data_collator(samples[4:])]
     reference = chunked_direct_grads(trainer, batches, (3, 4), chunk)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import randomize_lora_b
 from peft import LoraConfig, get_peft_model
 
 from diffusion_embedder import Encoder
@@ -74,10 +75,7 @@ def assert_same(a, b, atol=1e-5):
 
 def test_grad_cache_equals_direct_path(tmp_path):
     trainer = make_trainer(tmp_path, lora_dropout=0.0)
-    with torch.no_grad():  # non-zero LoRA B, so LoRA A gets gradients too
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
+    randomize_lora_b(trainer.model, 0.05)
     samples = [trainer.train_dataset[i] for i in range(6)]
     inputs = trainer.data_collator(samples)
     direct = step_grads(trainer, inputs, None)
@@ -114,10 +112,7 @@ def test_negatives_reach_the_loss_as_b_k_d_in_sample_order(tmp_path):
 def test_grad_cache_replays_dropout(tmp_path):
     """With LoRA dropout, each chunk's second forward reuses the first forward's masks."""
     trainer = make_trainer(tmp_path, lora_dropout=0.3, loss_fn=RepllamaLoss(scale_by_dim=True))
-    with torch.no_grad():
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
+    randomize_lora_b(trainer.model, 0.2)
     inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     direct = step_grads(trainer, inputs, None, seed=3)
     other_masks = step_grads(trainer, inputs, None, seed=4)
@@ -177,10 +172,7 @@ def _save_adapter(folder: Path, seed: int) -> dict:
     base = Encoder.from_pretrained(str(LLAMA), device="cpu").model
     torch.manual_seed(seed)
     peft_model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    randomize_lora_b(peft_model, 0.1)
     peft_model.save_pretrained(folder)
     return {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
 
