@@ -237,10 +237,10 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
 
 
 #: What ``packing="auto"`` does per (device type, attention implementation). CPU: padded. On 2 cores with
-#: oneDNN linear layers, length-sorted padded batches beat packed rows on both corpora we measured
-#: (bench/results/encode.md): 512 ReasonAug texts cut at 400 tokens, 9.7 vs 10.7 s (padded efficiency
-#: already 0.977); 400 texts up to 2,048 tokens, 23.1 vs 36.1 s (efficiency 0.869), because a packed row is
-#: as wide as its batch's longest text and the dense block mask makes attention cost row width squared.
+#: oneDNN linear layers (bench/results/encode.md), packed rows never paid: 512 ReasonAug texts cut at 400
+#: tokens tie (medians 9.5 s padded, 9.65 s packed; padded efficiency already 0.977), and 400 texts up to
+#: 2,048 tokens take 22.6 / 21.9 s padded vs 35.1 / 36.0 s packed (efficiency 0.869), because a packed row is
+#: as wide as the longest text and the dense block mask makes attention cost row width squared.
 #: CUDA, not measured yet (bench/gpu.sh measures padded vs packed, sdpa vs flex): padded for sdpa and eager,
 #: whose dense mask has the same width-squared cost; packed for flex_attention, whose BlockMask skips the
 #: blocks between texts.

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import random
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
@@ -36,7 +37,7 @@ from torch.utils.data import Sampler
 logger = logging.getLogger(__name__)
 
 GroupBy = Literal["global", "device", "none"]
-GROUP_BY: tuple[str, ...] = ("global", "device", "none")
+GROUP_BY: tuple[str, ...] = typing.get_args(GroupBy)
 
 
 def homogeneous_order(groups: Sequence[str], block_size: int, seed: int, epoch: int = 0) -> list[int]:
