@@ -36,8 +36,8 @@ from transformers import (
 )
 from transformers.utils import cached_file
 
-from diffusion_embedder.config import read_json_object as read_json_file
 from diffusion_embedder.dtypes import resolve_dtype
+from diffusion_embedder.files import find_file, hub_kwargs_of, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -171,17 +171,6 @@ class AttentionSelfTestError(RuntimeError):
     """The model's attention is not what was asked for (bidirectional vs causal)."""
 
 
-def find_file(name_or_path: str, filename: str, **hub_kwargs) -> str | None:
-    """Path of ``filename`` in a local folder or hub repo, or None when it isn't there."""
-    if os.path.isdir(name_or_path):
-        path = os.path.join(name_or_path, filename)
-        return path if os.path.isfile(path) else None
-    try:
-        return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-    except OSError:
-        return None
-
-
 def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
     """config.json as plain JSON: safe for remote-code checkpoints (Dream), local folder or hub name."""
     if os.path.isdir(name_or_path):
@@ -190,7 +179,7 @@ def read_config_dict(name_or_path: str, **hub_kwargs) -> dict:
             raise FileNotFoundError(f"No config.json in {name_or_path!r}: a checkpoint folder needs one.")
     else:  # the hub's own error says why (not found, gated, offline)
         path = cached_file(name_or_path, "config.json", **hub_kwargs)
-    return read_json_file(path)
+    return read_json_object(path)
 
 
 def check_tokenizer_files(name_or_path: str, **hub_kwargs) -> None:
@@ -207,7 +196,7 @@ def check_safetensors(name_or_path: str, **hub_kwargs) -> None:
     index = find_file(name_or_path, "model.safetensors.index.json", **hub_kwargs)
     names = ["model.safetensors"]
     if index is not None:
-        names = sorted(set(read_json_file(index).get("weight_map", {}).values()))
+        names = sorted(set(read_json_object(index).get("weight_map", {}).values()))
     for name in names:
         path = find_file(name_or_path, name, **hub_kwargs)
         if path is None:
@@ -342,7 +331,7 @@ def load_backbone(
     if kwargs.get("trust_remote_code"):
         raise ValueError("trust_remote_code is never used: every supported backbone runs on transformers' own code.")
     dtype = resolve_dtype(torch_dtype)
-    hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+    hub_kwargs = hub_kwargs_of(kwargs)
     config, spec = load_config(name_or_path, **hub_kwargs)
     check_safetensors(name_or_path, **hub_kwargs)
     config_overrides = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in hub_kwargs}

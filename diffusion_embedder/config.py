@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import types
 import typing
 from dataclasses import dataclass, field
 
+from diffusion_embedder.files import read_json_object
 from diffusion_embedder.pooling import POOLING_MODES
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
 
@@ -196,18 +196,6 @@ def value_problem(key: str, value: typing.Any) -> str | None:
             f"it contains it {value.count('{text}')} times"
         )
     return None
-
-
-def read_json_object(path: str) -> dict:
-    """A JSON object from ``path``; a broken or non-object file is a ValueError naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore or re-download the file.") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}.")
-    return value
 
 
 def read_settings(path: str | None, keys: typing.Iterable[str] | None = None) -> dict:

@@ -8,7 +8,6 @@ An encoder folder holds the weights (or a LoRA adapter over a recorded base), th
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -22,7 +21,6 @@ from tqdm.auto import tqdm
 
 from diffusion_embedder import backbones
 from diffusion_embedder import packing as packing_mod
-from diffusion_embedder.backbones import find_file
 from diffusion_embedder.config import (
     ENCODER_CONFIG,
     LLM2VEC_CONFIG,
@@ -33,6 +31,7 @@ from diffusion_embedder.config import (
     setting_fields,
 )
 from diffusion_embedder.cpu_linear import onednn_linear
+from diffusion_embedder.files import find_file, hub_kwargs_of, read_optional_json_object, write_json
 from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
@@ -51,12 +50,7 @@ from diffusion_embedder.templates import (
 logger = logging.getLogger(__name__)
 
 POOLING_WEIGHTS = "pooling.safetensors"
-HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only")
 SETTING_NAMES = tuple(f.name for f in setting_fields())
-
-
-def _read_json(path: str | None) -> dict:
-    return {} if path is None else backbones.read_json_file(path)
 
 
 def _config_attribute(name: str) -> tuple:
@@ -161,7 +155,7 @@ class Encoder(nn.Module):
         merged first. ``kwargs`` naming another ``EncoderConfig`` setting set it; other ``kwargs``
         (``device_map``, ``revision``, ``attention_dropout``...) go to the backbone's ``from_pretrained``.
         """
-        hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+        hub_kwargs = hub_kwargs_of(kwargs)
         settings_dir = peft_model_name_or_path or base_model_name_or_path
         saved = read_settings(find_file(settings_dir, ENCODER_CONFIG, **hub_kwargs))
         llm2vec = read_settings(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs), LLM2VEC_KEYS)
@@ -600,10 +594,8 @@ class Encoder(nn.Module):
             state = {k: v.detach().cpu().contiguous() for k, v in self.latent.state_dict().items()}
             save_file(state, os.path.join(output_path, POOLING_WEIGHTS))
         if save_config:
-            with open(os.path.join(output_path, LLM2VEC_CONFIG), "w", encoding="utf-8") as f:
-                json.dump({k: getattr(config, k) for k in LLM2VEC_KEYS}, f, indent=2)
-            with open(os.path.join(output_path, ENCODER_CONFIG), "w", encoding="utf-8") as f:
-                json.dump(config.to_dict(), f, indent=2)
+            write_json(os.path.join(output_path, LLM2VEC_CONFIG), {k: getattr(config, k) for k in LLM2VEC_KEYS})
+            write_json(os.path.join(output_path, ENCODER_CONFIG), config.to_dict())
         from diffusion_embedder.export import write_model_card
 
         write_model_card(self, output_path)
@@ -614,13 +606,12 @@ def _describe_adapter(path: str, base_model_name_or_path: str) -> None:
     """Name the base as it was loaded (not a resolved cache path) and mark the adapter as an embedding model's."""
     from diffusion_embedder.legacy import legacy_adapter_config
 
-    adapter = _read_json(path)
+    adapter = read_optional_json_object(path)
     if base_model_name_or_path:
         adapter["base_model_name_or_path"] = base_model_name_or_path
     adapter["task_type"] = "FEATURE_EXTRACTION"
     adapter = legacy_adapter_config(adapter)  # peft 0.12 (LLM2Vec 0.2.3) reads it too
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(adapter, f, indent=2)
+    write_json(path, adapter)
 
 
 LLM2Vec = Encoder
@@ -673,7 +664,7 @@ def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict)
     ``keep_own_adapter``). Nothing heavy is read, so settings and the tokenizer are checked before the weights.
     """
     has_weights = any(find_file(base, f, **hub_kwargs) for f in ("model.safetensors", "model.safetensors.index.json"))
-    own_adapter = _read_json(find_file(base, "adapter_config.json", **hub_kwargs))
+    own_adapter = read_optional_json_object(find_file(base, "adapter_config.json", **hub_kwargs))
     is_encoder_folder = bool(saved)
     if has_weights:
         weights_from = base
@@ -709,7 +700,7 @@ def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict)
 
 def _load_model(plan: _LoadPlan, backbone_kwargs: dict) -> nn.Module:
     """Load the base weights and merge the adapters that belong under them, in order."""
-    hub_kwargs = {k: backbone_kwargs[k] for k in HUB_KWARGS if k in backbone_kwargs}
+    hub_kwargs = hub_kwargs_of(backbone_kwargs)
     model = backbones.load_backbone(plan.weights_from, **backbone_kwargs)
     if plan.merges or plan.own_adapter:
         from peft import PeftModel

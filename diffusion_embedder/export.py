@@ -21,6 +21,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from diffusion_embedder.files import read_json_object, write_json
+
 if TYPE_CHECKING:
     from diffusion_embedder.encoder import Encoder
 
@@ -96,16 +98,6 @@ def special_token_count(tokenizer) -> int:
     return len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
 
 
-def _write_json(path: str, data) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-
-
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def save_sentence_transformers(encoder: Encoder, output_path: str, stock_only: bool = False) -> None:
     """Write a folder ``sentence_transformers.SentenceTransformer(output_path)`` loads with ``encode``'s vectors.
 
@@ -121,7 +113,7 @@ def save_sentence_transformers(encoder: Encoder, output_path: str, stock_only: b
     config = encoder.config
     encoder.save(output_path, merge_before_save=True)
     tokenizer_config_path = os.path.join(output_path, "tokenizer_config.json")
-    tokenizer_config = _read_json(tokenizer_config_path)
+    tokenizer_config = read_json_object(tokenizer_config_path)
     # No remote tokenizer code travels with the folder (Dream's DreamTokenizer is Qwen2's tokenizer).
     for key in ("auto_map", "is_local", "local_files_only"):
         tokenizer_config.pop(key, None)
@@ -140,7 +132,7 @@ def save_sentence_transformers(encoder: Encoder, output_path: str, stock_only: b
         # Texts without a prompt are cut where the encoder cuts them (doc_max_length text tokens).
         max_seq_length = min(config.max_length, config.doc_max_length + special_token_count(encoder.tokenizer))
         tokenizer_config["model_max_length"] = max_seq_length
-        _write_json(
+        write_json(
             os.path.join(output_path, "sentence_bert_config.json"),
             {
                 "transformer_task": "feature-extraction",
@@ -150,7 +142,7 @@ def save_sentence_transformers(encoder: Encoder, output_path: str, stock_only: b
             },
         )
         os.makedirs(os.path.join(output_path, "1_Pooling"), exist_ok=True)
-        _write_json(
+        write_json(
             os.path.join(output_path, "1_Pooling", "config.json"),
             {
                 "embedding_dimension": encoder.embedding_dim,
@@ -162,9 +154,9 @@ def save_sentence_transformers(encoder: Encoder, output_path: str, stock_only: b
             {"idx": 0, "name": "0", "path": "", "type": ST_TRANSFORMER},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": ST_POOLING},
         ]
-    _write_json(tokenizer_config_path, tokenizer_config)
-    _write_json(os.path.join(output_path, "modules.json"), modules)
-    _write_json(os.path.join(output_path, "config_sentence_transformers.json"), model_config)
+    write_json(tokenizer_config_path, tokenizer_config)
+    write_json(os.path.join(output_path, "modules.json"), modules)
+    write_json(os.path.join(output_path, "config_sentence_transformers.json"), model_config)
     write_model_card(encoder, output_path, sentence_transformers="custom" if reasons else "stock")
     logger.info(
         "Exported a sentence-transformers folder to %s (%s)",

@@ -151,7 +151,7 @@ def test_wrong_value_in_a_settings_file_names_file_and_key(tmp_path, filename, k
 def test_malformed_settings_file_names_the_file(tmp_path):
     path = tmp_path / "llm2vec_config.json"
     path.write_text('{"max_length": 5')
-    with pytest.raises(ValueError, match="llm2vec_config.json is not valid JSON"):
+    with pytest.raises(ValueError, match=r"llm2vec_config.json:1: not valid JSON \(line 1"):
         read_settings(str(path))
 
 

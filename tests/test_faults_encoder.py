@@ -214,10 +214,10 @@ def test_broken_config_files_name_the_file(broken_copy, family, name, damage, mo
         expected = f"No config.json in '{folder}'"
     elif damage == "not json":
         path.write_text('{"pooling_mode": "mean",')
-        expected = f"{path} is not valid JSON"
+        expected = f"{path}:1: not valid JSON"
     else:
         path.write_text(json.dumps(["mean"]))
-        expected = f"{path} must hold a JSON object, got list"
+        expected = f"{path}: expected a JSON object, got list"
     monkeypatch.setattr(backbones, "load_backbone", _no_weights)
     with pytest.raises((ValueError, FileNotFoundError), match=re.escape(expected)):
         Encoder.from_pretrained(str(folder))

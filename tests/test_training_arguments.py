@@ -90,7 +90,7 @@ def test_cli_overrides_are_typed_and_win(tmp_path):
 def test_bad_json_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{\n  "lora_r": 4,\n  "lr" 1\n}')
-    with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 3"):
+    with pytest.raises(ConfigError, match=r"bad.json:3: not valid JSON \(line 3"):
         load_config(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.json")

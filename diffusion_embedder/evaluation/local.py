@@ -15,7 +15,6 @@ main score is then p-MRR, computed by mteb's ``evaluate_p_mrr_change``.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from typing import Any
@@ -27,6 +26,7 @@ from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 from mteb.abstasks.task_metadata import TaskMetadata
 
 from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
+from diffusion_embedder.files import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,7 @@ def read_task_config(folder: str) -> dict:
     path = os.path.join(folder, "task.json")
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
-    if not isinstance(config, dict):
-        raise DataFormatError(f"{path}: expected a JSON object with keys {sorted(TASK_KEYS)}.")
+    config = read_json_object(path, DataFormatError)
     unknown = sorted(set(config) - set(TASK_KEYS))
     if unknown:
         raise DataFormatError(f"{path}: unknown key(s) {unknown}; known: {sorted(TASK_KEYS)}.")

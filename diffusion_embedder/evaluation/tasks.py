@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
-import json
 import logging
 import os
 import re
 from importlib import resources
 from pathlib import Path
+
+from diffusion_embedder.files import parse_json_object, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,10 @@ def load_instructions(path: str | None = None) -> dict[str, str]:
     if path is None:
         text = resources.files("diffusion_embedder.evaluation").joinpath("task_to_instructions.json").read_text()
         source = "task_to_instructions.json (shipped)"
+        data = parse_json_object(text, source)
     else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        data = read_json_object(path)
         source = path
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source}: not valid JSON (line {e.lineno}): {e.msg}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a JSON object mapping task name to instruction.")
     for key, value in data.items():
         if not isinstance(value, str):
             raise ValueError(f"{source}: the instruction of {key!r} must be a string, got {type(value).__name__}.")

@@ -28,6 +28,7 @@ from diffusion_embedder.config import matches_type, setting_fields, value_proble
 from diffusion_embedder.data import DATASET_READERS
 from diffusion_embedder.data.batching import GROUP_BY
 from diffusion_embedder.dtypes import TORCH_DTYPES
+from diffusion_embedder.files import read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -389,15 +390,7 @@ def read_config_values(
     path: str | os.PathLike, overrides: list[str] | None = None, classes: tuple[type, ...] = ARGUMENT_CLASSES
 ) -> dict[str, Any]:
     """A JSON config's values with ``--key value`` overrides applied (typed by the fields of ``classes``)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except FileNotFoundError as err:
-        raise ConfigError(f"Config file not found: {path}") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}): {err.msg}") from err
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: the config must be a JSON object, got {type(values).__name__}.")
+    values = read_json_object(path, ConfigError)
     overridden = parse_overrides(overrides or [], classes)
     for alias, canonical in MODEL_ALIASES.items():  # an override replaces the setting under either name
         if alias in overridden or canonical in overridden:

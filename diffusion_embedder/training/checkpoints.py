@@ -28,6 +28,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_N
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from diffusion_embedder.files import read_json_object
 from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, default_value
 
 logger = logging.getLogger(__name__)
@@ -236,5 +237,4 @@ def config_differences(
 
 
 def read_config(folder: str | os.PathLike) -> dict[str, Any]:
-    with open(os.path.join(folder, TRAIN_CONFIG), encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(os.path.join(folder, TRAIN_CONFIG), CheckpointError)
