@@ -9,20 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_embedder.reasonaug import cli
+from diffusion_embedder.reasonaug import cli, pipeline
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_jsonl
+from diffusion_embedder.reasonaug.pipeline import StageConfig, build_requests, load_concept_data, run_stage
 from diffusion_embedder.reasonaug.prompts import TASK_TYPES
-from diffusion_embedder.reasonaug.stages import (
-    StageConfig,
-    load_concept_data,
-    problem_requests,
-    run_check_problems,
-    run_check_solutions,
-    run_definitions,
-    run_generated_negatives,
-    run_problems,
-)
 from diffusion_embedder.reasonaug.triplets import RECORD_FIELDS, build_triplets
 
 ROOT = Path(__file__).resolve().parents[1] / "ReasonAug"
@@ -100,16 +91,8 @@ def concepts(tmp_path_factory):
 STAGES = ("definitions", "problems", "check-problems", "check-solutions", "negatives")
 
 
-def run_stage(name, concepts, cfg, client):
-    if name == "definitions":
-        return run_definitions(concepts, cfg, client)
-    if name == "problems":
-        return run_problems(concepts, cfg, client)
-    if name == "check-problems":
-        return run_check_problems(cfg, client)
-    if name == "check-solutions":
-        return run_check_solutions(cfg, client)
-    return run_generated_negatives(load_concept_data(cfg, concepts), cfg, client)
+def problem_requests(concepts, round_, cfg):
+    return build_requests(pipeline.STAGES["problems"], concepts, round_, cfg)
 
 
 def run_pipeline(concepts, workdir, fail_after=None):
@@ -188,15 +171,15 @@ def test_batch_mode_parses_a_downloaded_output_file(concepts, uninterrupted, tmp
     cfg_a, _, _ = uninterrupted
     cfg = StageConfig(tmp_path / "batch", model="fake", rounds=3, seed=1)
     with pytest.raises(FileNotFoundError, match="Batch API") as e:
-        run_definitions(concepts, cfg, None)
+        run_stage("definitions", concepts, cfg, None)
     assert f"save its output as {cfg.definition_output}" in str(e.value)
     with pytest.raises(FileNotFoundError, match="problem_solution_output_3.jsonl"):
-        run_problems(concepts, cfg, None)
+        run_stage("problems", concepts, cfg, None)
     assert [cfg.problem_input(r).exists() for r in (1, 2, 3)] == [True] * 3
     assert cfg.definition_input.exists()
     assert cfg.definition_input.read_bytes() == cfg_a.definition_input.read_bytes()
     cfg.definition_output.write_bytes(cfg_a.definition_output.read_bytes())
-    report = run_definitions(concepts, cfg, None)
+    report = run_stage("definitions", concepts, cfg, None)
     assert report.sent == 0 and report.kept == 12
     assert cfg.parsed("definitions").read_bytes() == cfg_a.parsed("definitions").read_bytes()
 
