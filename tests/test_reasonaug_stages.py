@@ -11,7 +11,7 @@ import pytest
 
 from diffusion_embedder.reasonaug import cli, pipeline
 from diffusion_embedder.reasonaug.concepts import load_concepts
-from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_jsonl
+from diffusion_embedder.reasonaug.llm import LLMError, read_batch_outputs, read_jsonl
 from diffusion_embedder.reasonaug.pipeline import StageConfig, build_requests, load_concept_data, run_stage
 from diffusion_embedder.reasonaug.prompts import TASK_TYPES
 from diffusion_embedder.reasonaug.triplets import RECORD_FIELDS, build_triplets
@@ -239,3 +239,34 @@ def test_cli_llm_stage_uses_the_client_and_batch_mode(uninterrupted, concepts, t
     assert (tmp_path / "live" / "definitions.jsonl").read_bytes() == cfg_a.parsed("definitions").read_bytes()
     assert cli.main(["definitions", "--workdir", str(tmp_path / "batch"), "--batch", *base]) == cli.EXIT_AWAITING_BATCH
     assert "Batch API" in capsys.readouterr().err
+
+
+def defined_concept(body) -> str:
+    return re.search(r"definition for the .+?: (.+?)(?: with the implementation code\.|\. Write)", body).group(1)
+
+
+class FailingLLM(FakeLLM):
+    """Answers every definition request except those for the named concepts (a non-retryable HTTP error)."""
+
+    def __init__(self, failing: set[str]):
+        super().__init__()
+        self.failing = failing
+
+    async def complete(self, body):
+        if defined_concept(body["messages"][-1]["content"]) in self.failing:
+            raise LLMError("HTTP 400", 400)
+        return await super().complete(body)
+
+
+def test_failed_requests_are_counted_dropped_and_sent_again(concepts, tmp_path):
+    """A request that fails for good is counted in ``failed``, its item dropped; the next run sends only it."""
+    cfg = StageConfig(tmp_path, model="fake", rounds=1, seed=1)
+    failing = {concepts[2].instance, concepts[7].instance}
+    report = run_stage("definitions", concepts, cfg, FailingLLM(failing))
+    assert (report.requests, report.sent, report.failed, report.dropped, report.kept) == (12, 10, 2, 2, 10)
+    ids = [r["custom_id"] for _, r in read_jsonl(cfg.definition_input)]
+    assert len(set(ids)) == len(ids) == 12  # the Batch API refuses a file with a repeated custom_id
+    again = FakeLLM()
+    report = run_stage("definitions", concepts, cfg, again)
+    assert (report.sent, report.skipped, report.failed, report.kept) == (2, 10, 0, 12)
+    assert {defined_concept(json.loads(body)["messages"][-1]["content"]) for body in again.bodies} == failing
