@@ -132,7 +132,7 @@ class Ask(NamedTuple):
 
 
 class Answer(NamedTuple):
-    """A well-formed answer, with the request (and the batch round) that produced it."""
+    """An answer that passed the stage's check, with the request (and the batch round) that produced it."""
 
     request: dict
     round: int
@@ -149,7 +149,8 @@ class BatchFiles(NamedTuple):
 
 @dataclass(frozen=True)
 class Stage:
-    """One LLM stage. ``to_record`` returns the parsed record, or None for an answer that rejects its item."""
+    """One LLM stage. ``to_record`` returns the parsed record, or None for an answer that rejects its item (the
+    runner counts ``rejected``); it may count what else it did (``rewritten``) in the report it is given."""
 
     name: str  # the CLI command and the report's name
     help: str
@@ -159,8 +160,8 @@ class Stage:
     ask: Callable[[Any, int, StageConfig], Ask]  # (item, batch round, config)
     to_record: Callable[[Any, Answer, StageReport], dict | None]
     files: Callable[[StageConfig], list[BatchFiles]]
-    is_valid: Callable[[str], bool] = lambda text: True  # malformed answers are regenerated
-    regenerate: bool = True
+    is_valid: Callable[[str], bool] = lambda text: True  # the answer check: a malformed answer is counted
+    regenerate: bool = True  # ... and asked again (``#retry<n>``), up to ``max_regenerations`` times
     max_tokens: int = PROBLEM_MAX_TOKENS
 
 
@@ -272,8 +273,8 @@ def _chat(system: str, user: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 
-def _one_file(input_path: Callable[[StageConfig], Path], output_path: Callable[[StageConfig], Path]):
-    return lambda cfg: [BatchFiles(0, input_path(cfg), output_path(cfg))]
+def _check_files(name: str) -> Callable[[StageConfig], list[BatchFiles]]:
+    return lambda cfg: [BatchFiles(0, cfg.check(name, "input"), cfg.check(name, "output"))]
 
 
 def _definition_ask(c: Concept, round_: int, cfg: StageConfig) -> Ask:
@@ -359,6 +360,12 @@ def _ring(concepts: list[Concept], cfg: StageConfig) -> list[tuple[int, dict]]:
     return items
 
 
+def _negative_files(cfg: StageConfig) -> list[BatchFiles]:
+    return [
+        BatchFiles(0, cfg.workdir / "gen_hard_negative_input.jsonl", cfg.workdir / "gen_hard_negative_output.jsonl")
+    ]
+
+
 def _negative_ask(item: tuple[int, dict], round_: int, cfg: StageConfig) -> Ask:
     q, r = item
     prompt = negative_prompt(r["task"], r["domain"], r["instance"], r["user_query"], r["positive_document"])
@@ -376,7 +383,7 @@ STAGES: dict[str, Stage] = {
             items=lambda concepts, cfg: concepts,
             ask=_definition_ask,
             to_record=_definition_record,
-            files=_one_file(lambda cfg: cfg.definition_input, lambda cfg: cfg.definition_output),
+            files=lambda cfg: [BatchFiles(0, cfg.definition_input, cfg.definition_output)],
             is_valid=lambda text: parse_definition(text, "") is not None,
             max_tokens=DEFINITION_MAX_TOKENS,
         ),
@@ -401,7 +408,7 @@ STAGES: dict[str, Stage] = {
             items=lambda concepts, cfg: read_stage_output(cfg, "problems"),
             ask=_problem_check_ask,
             to_record=_problem_check_record,
-            files=_one_file(lambda cfg: cfg.check("problem", "input"), lambda cfg: cfg.check("problem", "output")),
+            files=_check_files("problem"),
             is_valid=_valid_problem_check,
         ),
         Stage(
@@ -412,7 +419,7 @@ STAGES: dict[str, Stage] = {
             items=lambda concepts, cfg: read_stage_output(cfg, "check-problems"),
             ask=_solution_check_ask,
             to_record=_solution_check_record,
-            files=_one_file(lambda cfg: cfg.check("solution", "input"), lambda cfg: cfg.check("solution", "output")),
+            files=_check_files("solution"),
             regenerate=False,  # a verdict is never re-asked; a "no" rejects the pair
         ),
         Stage(
@@ -423,10 +430,7 @@ STAGES: dict[str, Stage] = {
             items=_ring,
             ask=_negative_ask,
             to_record=lambda item, answer, report: {**item[1], "hard_negative_document": answer.text.strip()},
-            files=_one_file(
-                lambda cfg: cfg.workdir / "gen_hard_negative_input.jsonl",
-                lambda cfg: cfg.workdir / "gen_hard_negative_output.jsonl",
-            ),
+            files=_negative_files,
             is_valid=lambda text: bool(text.strip()),
         ),
     )

@@ -129,6 +129,20 @@ def _dedup(problems: tuple[str, ...], solutions: tuple[str, ...]) -> tuple[list[
     return ps, ss
 
 
+def _record(c: ConceptData, task: str, query: str, pos: str, neg: str | None, neg_instance: str) -> dict:
+    """A record of ``c`` in ``RECORD_FIELDS`` order, less the ``id``."""
+    return {
+        "domain": c.domain,
+        "instance": c.instance,
+        "task_type": task,
+        "task": task_instruction(task, c.domain, c.question_type),
+        "user_query": query,
+        "positive_document": pos,
+        "hard_negative_document": neg,
+        "negative_instance": neg_instance,
+    }
+
+
 def _pair_document(problem: str, solution: str, coding: bool) -> str:
     """A pair as a document: the solution alone for coding (as upstream), else problem, newline, solution."""
     return solution if coding else problem + "\n" + solution
@@ -173,21 +187,9 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
             continue
         coding = c.question_type == "coding"
 
-        def record(task: str, query: str, pos: str, neg: str | None, neg_instance: str, c: ConceptData = c):
-            if neg == pos:  # identical text in two concepts: not a usable negative
-                return
-            by_task[task].append(
-                {
-                    "domain": c.domain,
-                    "instance": c.instance,
-                    "task_type": task,
-                    "task": task_instruction(task, c.domain, c.question_type),
-                    "user_query": query,
-                    "positive_document": pos,
-                    "hard_negative_document": neg,
-                    "negative_instance": neg_instance,
-                }
-            )
+        def record(task: str, query: str, pos: str, neg: str, neg_instance: str, c: ConceptData = c):
+            if neg != pos:  # identical text in two concepts: not a usable negative
+                by_task[task].append(_record(c, task, query, pos, neg, neg_instance))
 
         # p2i
         rng = random.Random(f"{config.seed}:p2i:{c.instance}")
@@ -256,19 +258,7 @@ def ring_records(concepts: list[ConceptData], config: TripletConfig | None = Non
             p = (q + 1) % len(problems)
             task, query = _pair_query(rng, config, problems[q], solutions[q], c.instance)
             pos = _pair_document(problems[p], solutions[p], c.question_type == "coding")
-            out.append(
-                {
-                    "id": f"ring-{c.instance}-{q}",
-                    "domain": c.domain,
-                    "instance": c.instance,
-                    "task_type": task,
-                    "task": task_instruction(task, c.domain, c.question_type),
-                    "user_query": query,
-                    "positive_document": pos,
-                    "hard_negative_document": None,
-                    "negative_instance": GENERATED,
-                }
-            )
+            out.append({"id": f"ring-{c.instance}-{q}", **_record(c, task, query, pos, None, GENERATED)})
     return out
 
 
