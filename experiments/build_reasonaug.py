@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from diffusion_embedder.reasonaug.cli import main as reasonaug
+from diffusion_embedder.reasonaug.pipeline import STAGES
 
 
 def main() -> None:
@@ -34,9 +35,9 @@ def main() -> None:
 
     common = ["--workdir", str(args.workdir), "--concepts", args.concepts, "--rounds", str(args.rounds)]
     common += ["--seed", str(args.seed)] + (["--batch"] if args.batch else [])
-    stages = ["definitions", "problems", "check-problems", "check-solutions"]
-    stages += ["negatives"] if args.generated_negatives else []
-    for stage in stages:
+    for stage in STAGES:
+        if stage == "negatives" and not args.generated_negatives:
+            continue
         status = reasonaug([stage, *common])
         if status:  # waiting for Batch-API outputs, or a usage error: later stages need this one's answers
             raise SystemExit(status)

@@ -10,13 +10,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers, run_stage
+from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers
 
 from diffusion_embedder.reasonaug import cli, llm
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.contamination import find_contaminated, load_benchmark_queries
+from diffusion_embedder.reasonaug.pipeline import StageConfig, run_stage
 from diffusion_embedder.reasonaug.rebuild import load_generation
-from diffusion_embedder.reasonaug.stages import StageConfig
 
 ROOT = Path(__file__).resolve().parents[1] / "ReasonAug"
 ROWS = [json.loads(line) for line in (ROOT / "concepts.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from diffusion_embedder.reasonaug.concepts import concept_key, load_concepts
-from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_batch_requests
+from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_jsonl
 from diffusion_embedder.reasonaug.parse import (
     is_yes,
     parse_code_verdict,
@@ -123,7 +123,7 @@ def test_parsers_never_crash_on_malformed_input():
 
 
 def test_definition_prompts_reproduce_real_requests(concepts):
-    requests = read_batch_requests(GEN / "gen_instance_definition/instance_definition_input.jsonl.gz")
+    requests = [r for _, r in read_jsonl(GEN / "gen_instance_definition/instance_definition_input.jsonl.gz")]
     assert len(requests) == 300
     for c, req in zip(concepts, requests, strict=True):
         assert req["custom_id"] == c.custom_id
@@ -159,7 +159,7 @@ def _infer_options(prompt: str, c) -> ProblemOptions:
 def test_problem_prompts_reproduce_all_2400_real_requests(concepts):
     seen_refs = Counter()
     for r in range(1, 9):
-        requests = read_batch_requests(GEN / f"gen_problem_solution/inputs/problem_solution_input_{r}.jsonl.gz")
+        requests = [r for _, r in read_jsonl(GEN / f"gen_problem_solution/inputs/problem_solution_input_{r}.jsonl.gz")]
         for c, req in zip(concepts, requests, strict=True):
             system, user = req["body"]["messages"]
             assert system["content"] == PROBLEM_SYSTEM

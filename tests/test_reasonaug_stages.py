@@ -9,20 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_embedder.reasonaug import cli
+from diffusion_embedder.reasonaug import cli, pipeline
 from diffusion_embedder.reasonaug.concepts import load_concepts
-from diffusion_embedder.reasonaug.llm import read_batch_outputs, read_jsonl
+from diffusion_embedder.reasonaug.llm import LLMError, read_batch_outputs, read_jsonl
+from diffusion_embedder.reasonaug.pipeline import StageConfig, build_requests, load_concept_data, run_stage
 from diffusion_embedder.reasonaug.prompts import TASK_TYPES
-from diffusion_embedder.reasonaug.stages import (
-    StageConfig,
-    load_concept_data,
-    problem_requests,
-    run_check_problems,
-    run_check_solutions,
-    run_definitions,
-    run_generated_negatives,
-    run_problems,
-)
 from diffusion_embedder.reasonaug.triplets import RECORD_FIELDS, build_triplets
 
 ROOT = Path(__file__).resolve().parents[1] / "ReasonAug"
@@ -100,16 +91,8 @@ def concepts(tmp_path_factory):
 STAGES = ("definitions", "problems", "check-problems", "check-solutions", "negatives")
 
 
-def run_stage(name, concepts, cfg, client):
-    if name == "definitions":
-        return run_definitions(concepts, cfg, client)
-    if name == "problems":
-        return run_problems(concepts, cfg, client)
-    if name == "check-problems":
-        return run_check_problems(cfg, client)
-    if name == "check-solutions":
-        return run_check_solutions(cfg, client)
-    return run_generated_negatives(load_concept_data(cfg, concepts), cfg, client)
+def problem_requests(concepts, round_, cfg):
+    return build_requests(pipeline.STAGES["problems"], concepts, round_, cfg)
 
 
 def run_pipeline(concepts, workdir, fail_after=None):
@@ -188,15 +171,15 @@ def test_batch_mode_parses_a_downloaded_output_file(concepts, uninterrupted, tmp
     cfg_a, _, _ = uninterrupted
     cfg = StageConfig(tmp_path / "batch", model="fake", rounds=3, seed=1)
     with pytest.raises(FileNotFoundError, match="Batch API") as e:
-        run_definitions(concepts, cfg, None)
+        run_stage("definitions", concepts, cfg, None)
     assert f"save its output as {cfg.definition_output}" in str(e.value)
     with pytest.raises(FileNotFoundError, match="problem_solution_output_3.jsonl"):
-        run_problems(concepts, cfg, None)
+        run_stage("problems", concepts, cfg, None)
     assert [cfg.problem_input(r).exists() for r in (1, 2, 3)] == [True] * 3
     assert cfg.definition_input.exists()
     assert cfg.definition_input.read_bytes() == cfg_a.definition_input.read_bytes()
     cfg.definition_output.write_bytes(cfg_a.definition_output.read_bytes())
-    report = run_definitions(concepts, cfg, None)
+    report = run_stage("definitions", concepts, cfg, None)
     assert report.sent == 0 and report.kept == 12
     assert cfg.parsed("definitions").read_bytes() == cfg_a.parsed("definitions").read_bytes()
 
@@ -256,3 +239,34 @@ def test_cli_llm_stage_uses_the_client_and_batch_mode(uninterrupted, concepts, t
     assert (tmp_path / "live" / "definitions.jsonl").read_bytes() == cfg_a.parsed("definitions").read_bytes()
     assert cli.main(["definitions", "--workdir", str(tmp_path / "batch"), "--batch", *base]) == cli.EXIT_AWAITING_BATCH
     assert "Batch API" in capsys.readouterr().err
+
+
+def defined_concept(body) -> str:
+    return re.search(r"definition for the .+?: (.+?)(?: with the implementation code\.|\. Write)", body).group(1)
+
+
+class FailingLLM(FakeLLM):
+    """Answers every definition request except those for the named concepts (a non-retryable HTTP error)."""
+
+    def __init__(self, failing: set[str]):
+        super().__init__()
+        self.failing = failing
+
+    async def complete(self, body):
+        if defined_concept(body["messages"][-1]["content"]) in self.failing:
+            raise LLMError("HTTP 400", 400)
+        return await super().complete(body)
+
+
+def test_failed_requests_are_counted_dropped_and_sent_again(concepts, tmp_path):
+    """A request that fails for good is counted in ``failed``, its item dropped; the next run sends only it."""
+    cfg = StageConfig(tmp_path, model="fake", rounds=1, seed=1)
+    failing = {concepts[2].instance, concepts[7].instance}
+    report = run_stage("definitions", concepts, cfg, FailingLLM(failing))
+    assert (report.requests, report.sent, report.failed, report.dropped, report.kept) == (12, 10, 2, 2, 10)
+    ids = [r["custom_id"] for _, r in read_jsonl(cfg.definition_input)]
+    assert len(set(ids)) == len(ids) == 12  # the Batch API refuses a file with a repeated custom_id
+    again = FakeLLM()
+    report = run_stage("definitions", concepts, cfg, again)
+    assert (report.sent, report.skipped, report.failed, report.kept) == (2, 10, 0, 12)
+    assert {defined_concept(json.loads(body)["messages"][-1]["content"]) for body in again.bodies} == failing

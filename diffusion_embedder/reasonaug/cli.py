@@ -7,6 +7,8 @@ import functools
 import json
 import logging
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from diffusion_embedder import clihelp
@@ -19,27 +21,18 @@ from diffusion_embedder.reasonaug.contamination import (
     remove_contaminated,
 )
 from diffusion_embedder.reasonaug.llm import ChatClient, ClientConfig, read_jsonl, write_jsonl
-from diffusion_embedder.reasonaug.prompts import render_prompt_card
-from diffusion_embedder.reasonaug.rebuild import dataset_stats, load_generation, stats_markdown, update_card
-from diffusion_embedder.reasonaug.stages import (
+from diffusion_embedder.reasonaug.pipeline import (
+    STAGES,
     AwaitingBatchOutputs,
+    Stage,
     StageConfig,
     load_concept_data,
-    run_check_problems,
-    run_check_solutions,
-    run_definitions,
-    run_generated_negatives,
-    run_problems,
+    run_stage,
 )
+from diffusion_embedder.reasonaug.prompts import render_prompt_card
+from diffusion_embedder.reasonaug.rebuild import dataset_stats, load_generation, stats_markdown, update_card
 from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, build_triplets
 
-LLM_STAGES = {
-    "definitions": "1. a 'Concept / Definition' answer per concept -> definitions.jsonl",
-    "problems": "2. --rounds problem/solution pairs per concept (seeded prompts) -> pairs.jsonl",
-    "check-problems": "3. does the problem need the concept? keep, take the rewrite, or drop -> checked_pairs.jsonl",
-    "check-solutions": "4. verify each solution (coding: verified code replaces it) -> verified_pairs.jsonl",
-    "negatives": "optional: LLM-written hard negatives for a ring of same-concept pairs -> generated_negatives.jsonl",
-}
 #: Exit status of a ``--batch`` stage that wrote its request files and waits for the uploaded batches' outputs.
 EXIT_AWAITING_BATCH = 3
 #: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold).
@@ -63,25 +56,14 @@ def _add_stage_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=clihelp.prog("reasonaug"), description=__doc__, formatter_class=clihelp.HelpFormatter
-    )
-    sub = parser.add_subparsers(
-        dest="command",
-        required=True,
-        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=clihelp.HelpFormatter),
-    )
-    for name, help_text in LLM_STAGES.items():
-        _add_stage_args(sub.add_parser(name, help=help_text))
-
-    p = sub.add_parser("triplets", help="5. BM25 hard-negative triplets (and optional concept split) from a workdir")
+def _add_triplets_args(p: argparse.ArgumentParser) -> None:
     _add_stage_args(p)
     p.add_argument("--out", type=Path, required=True, help="output JSONL (.jsonl or .jsonl.gz)")
     p.add_argument("--heldout-fraction", type=float, default=0.0, help="> 0: also write _train/_heldout files")
     p.add_argument("--with-generated", action="store_true", help="append records of the 'negatives' stage")
 
-    p = sub.add_parser("rebuild", help="offline rebuild from the real upstream generation files")
+
+def _add_rebuild_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"))
     p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
     p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"))
@@ -90,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--card", type=Path, default=None, help="data card whose stats block is rewritten")
     p.add_argument("--full", type=Path, default=None, help="also write the all-concept set (one BM25 pool)")
 
-    p = sub.add_parser("contamination", help="remove queries that nearly duplicate benchmark queries")
+
+def _add_contamination_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True)
@@ -98,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bright", default=None, help="BRIGHT dataset name or local path, e.g. xlangai/BRIGHT")
     p.add_argument("--threshold", type=float, default=0.7)
 
-    p = sub.add_parser("prompts", help="write the prompt-template card")
+
+def _add_prompts_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"))
-    return parser
 
 
 class UsageError(Exception):
@@ -121,7 +104,8 @@ def _client(args: argparse.Namespace) -> ChatClient | None:
 
 def _stage_config(args: argparse.Namespace) -> StageConfig:
     model = args.model or ClientConfig.from_env().model
-    return StageConfig(args.workdir, model, args.rounds, args.seed, args.max_regenerations)
+    triplets = TripletConfig(seed=args.seed)
+    return StageConfig(args.workdir, model, args.rounds, args.seed, args.max_regenerations, triplets)
 
 
 def _suffixed(path: Path, suffix: str) -> Path:
@@ -131,103 +115,137 @@ def _suffixed(path: Path, suffix: str) -> Path:
     return path.with_name(f"{stem}_{suffix}{ext}")
 
 
+def _numbered(records: list[dict]) -> list[dict]:
+    return [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
+
+
+def _llm_stage(stage: Stage, args: argparse.Namespace) -> int:
+    cfg, client = _stage_config(args), _client(args)
+    report = run_stage(stage, load_concepts(args.concepts), cfg, client)
+    print(json.dumps(report.as_dict(), indent=2))
+    return 0
+
+
+def _triplets(args: argparse.Namespace) -> int:
+    cfg = _stage_config(args)
+    data = load_concept_data(cfg, load_concepts(args.concepts))
+    generated = []
+    if args.with_generated:
+        generated = [r for _, r in read_jsonl(cfg.parsed(STAGES["negatives"].output))]
+    records = _numbered(build_triplets(data, cfg.triplets) + generated)
+    print(f"{write_jsonl(args.out, records)} records -> {args.out}")
+    if args.heldout_fraction > 0:
+        train, heldout, _, held_names = build_split(data, cfg.triplets, args.heldout_fraction)
+        held = set(held_names)
+        train += [r for r in generated if r["instance"] not in held]
+        heldout += [r for r in generated if r["instance"] in held]
+        write_jsonl(_suffixed(args.out, "train"), _numbered(train))
+        write_jsonl(_suffixed(args.out, "heldout"), _numbered(heldout))
+        print(f"split: {len(train)} train / {len(heldout)} held-out records ({len(held_names)} held-out concepts)")
+    return 0
+
+
+def _rebuild(args: argparse.Namespace) -> int:
+    concepts = load_concepts(args.concepts)
+    data, report = load_generation(args.generation, concepts)
+    tconfig = TripletConfig(seed=args.seed)
+    train, heldout, train_names, held_names = build_split(data, tconfig, args.heldout_fraction)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out_dir / TRAIN_FILE, train)
+    write_jsonl(args.out_dir / HELDOUT_FILE, heldout)
+    split = {
+        "seed": args.seed,
+        "heldout_fraction": args.heldout_fraction,
+        "train": train_names,
+        "heldout": held_names,
+    }
+    (args.out_dir / "split.json").write_text(json.dumps(split, indent=1, ensure_ascii=False) + "\n")
+    stats = {
+        "generation": {**report.__dict__, "rejected": dict(sorted(report.rejected.items()))},
+        "train": dataset_stats(train),
+        "heldout": dataset_stats(heldout),
+    }
+    (args.out_dir / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+    if args.card is not None:
+        md = stats_markdown("train", stats["train"]) + "\n\n" + stats_markdown("held-out", stats["heldout"])
+        update_card(args.card, md)
+    if args.full is not None:
+        write_jsonl(args.full, build_triplets([c for c in data if c.problems], tconfig))
+    print(json.dumps({"train": len(train), "heldout": len(heldout), **stats["generation"]}, indent=1))
+    return 0
+
+
+def _contamination(args: argparse.Namespace) -> int:
+    if (args.benchmark is None) == (args.bright is None):
+        raise UsageError("give exactly one of --benchmark FILE or --bright NAME_OR_PATH")
+    try:
+        check_threshold(args.threshold)
+    except ValueError as e:
+        raise UsageError(f"--threshold: {e}") from None
+    records = [r for _, r in read_jsonl(args.input, [Field("user_query")])]
+    benchmark = load_benchmark_queries(args.benchmark) if args.benchmark else load_bright_queries(args.bright)
+    kept, report = remove_contaminated(records, benchmark, args.threshold)
+    write_jsonl(args.output, kept)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report.as_dict(), indent=1, ensure_ascii=False) + "\n")
+    print(f"{len(records) - len(kept)} of {len(records)} records removed; report -> {args.report}")
+    return 0
+
+
+def _prompts(args: argparse.Namespace) -> int:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render_prompt_card(), encoding="utf-8")
+    print(f"prompt templates -> {args.out}")
+    return 0
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]  # the exit status
+
+
+#: Every subcommand, in ``--help`` order: the LLM stages from the pipeline's table, then the offline steps.
+COMMANDS: dict[str, Command] = {
+    **{
+        name: Command(stage.help, _add_stage_args, functools.partial(_llm_stage, stage))
+        for name, stage in STAGES.items()
+    },
+    "triplets": Command(
+        "5. BM25 hard-negative triplets (and optional concept split) from a workdir", _add_triplets_args, _triplets
+    ),
+    "rebuild": Command("offline rebuild from the real upstream generation files", _add_rebuild_args, _rebuild),
+    "contamination": Command(
+        "remove queries that nearly duplicate benchmark queries", _add_contamination_args, _contamination
+    ),
+    "prompts": Command("write the prompt-template card", _add_prompts_args, _prompts),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=clihelp.prog("reasonaug"), description=__doc__, formatter_class=clihelp.HelpFormatter
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=clihelp.HelpFormatter),
+    )
+    for name, command in COMMANDS.items():
+        command.add_args(sub.add_parser(name, help=command.help))
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     try:
-        return _run(args)
+        return COMMANDS[args.command].run(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except AwaitingBatchOutputs as e:
         print(f"{e}\nrerun the same command once the outputs are in place.", file=sys.stderr)
         return EXIT_AWAITING_BATCH
-
-
-def _run(args: argparse.Namespace) -> int:
-    if args.command in LLM_STAGES:
-        cfg, client = _stage_config(args), _client(args)
-        concepts = load_concepts(args.concepts)
-        if args.command == "definitions":
-            report = run_definitions(concepts, cfg, client)
-        elif args.command == "problems":
-            report = run_problems(concepts, cfg, client)
-        elif args.command == "check-problems":
-            report = run_check_problems(cfg, client)
-        elif args.command == "check-solutions":
-            report = run_check_solutions(cfg, client)
-        else:
-            report = run_generated_negatives(load_concept_data(cfg, concepts), cfg, client, TripletConfig(args.seed))
-        print(json.dumps(report.as_dict(), indent=2))
-        return 0
-
-    if args.command == "triplets":
-        cfg = _stage_config(args)
-        data = load_concept_data(cfg, load_concepts(args.concepts))
-        tconfig = TripletConfig(seed=args.seed)
-        generated = []
-        if args.with_generated:
-            generated = [r for _, r in read_jsonl(cfg.parsed("generated_negatives"))]
-        records = build_triplets(data, tconfig) + generated
-        records = [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
-        print(f"{write_jsonl(args.out, records)} records -> {args.out}")
-        if args.heldout_fraction > 0:
-            train, heldout, _, held_names = build_split(data, tconfig, args.heldout_fraction)
-            held = set(held_names)
-            train += [r for r in generated if r["instance"] not in held]
-            heldout += [r for r in generated if r["instance"] in held]
-            write_jsonl(_suffixed(args.out, "train"), [{**r, "id": str(i)} for i, r in enumerate(train, 1)])
-            write_jsonl(_suffixed(args.out, "heldout"), [{**r, "id": str(i)} for i, r in enumerate(heldout, 1)])
-            print(f"split: {len(train)} train / {len(heldout)} held-out records ({len(held_names)} held-out concepts)")
-        return 0
-
-    if args.command == "rebuild":
-        concepts = load_concepts(args.concepts)
-        data, report = load_generation(args.generation, concepts)
-        tconfig = TripletConfig(seed=args.seed)
-        train, heldout, train_names, held_names = build_split(data, tconfig, args.heldout_fraction)
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        write_jsonl(args.out_dir / TRAIN_FILE, train)
-        write_jsonl(args.out_dir / HELDOUT_FILE, heldout)
-        split = {
-            "seed": args.seed,
-            "heldout_fraction": args.heldout_fraction,
-            "train": train_names,
-            "heldout": held_names,
-        }
-        (args.out_dir / "split.json").write_text(json.dumps(split, indent=1, ensure_ascii=False) + "\n")
-        stats = {
-            "generation": {**report.__dict__, "rejected": dict(sorted(report.rejected.items()))},
-            "train": dataset_stats(train),
-            "heldout": dataset_stats(heldout),
-        }
-        (args.out_dir / "stats.json").write_text(json.dumps(stats, indent=1) + "\n")
-        if args.card is not None:
-            md = stats_markdown("train", stats["train"]) + "\n\n" + stats_markdown("held-out", stats["heldout"])
-            update_card(args.card, md)
-        if args.full is not None:
-            write_jsonl(args.full, build_triplets([c for c in data if c.problems], tconfig))
-        print(json.dumps({"train": len(train), "heldout": len(heldout), **stats["generation"]}, indent=1))
-        return 0
-
-    if args.command == "contamination":
-        if (args.benchmark is None) == (args.bright is None):
-            raise UsageError("give exactly one of --benchmark FILE or --bright NAME_OR_PATH")
-        try:
-            check_threshold(args.threshold)
-        except ValueError as e:
-            raise UsageError(f"--threshold: {e}") from None
-        records = [r for _, r in read_jsonl(args.input, [Field("user_query")])]
-        benchmark = load_benchmark_queries(args.benchmark) if args.benchmark else load_bright_queries(args.bright)
-        kept, report = remove_contaminated(records, benchmark, args.threshold)
-        write_jsonl(args.output, kept)
-        args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report.as_dict(), indent=1, ensure_ascii=False) + "\n")
-        print(f"{len(records) - len(kept)} of {len(records)} records removed; report -> {args.report}")
-        return 0
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render_prompt_card(), encoding="utf-8")
-    print(f"prompt templates -> {args.out}")
-    return 0

@@ -89,23 +89,6 @@ def write_batch_requests(path: str | Path, requests: Iterable[dict]) -> int:
     return write_jsonl(path, requests)
 
 
-def read_batch_requests(path: str | Path) -> list[dict]:
-    """Read a Batch-API input file, checking the fields the pipeline relies on."""
-    out, seen = [], set()
-    for lineno, r in read_jsonl(path):
-        cid = r.get("custom_id")
-        if not isinstance(cid, str) or not cid:
-            raise ValueError(f"{path}:{lineno}: missing or non-string 'custom_id' ({cid!r})")
-        if cid in seen:
-            raise ValueError(f"{path}:{lineno}: duplicate custom_id {cid!r}")
-        messages = (r.get("body") or {}).get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{path}:{lineno}: 'body.messages' must be a non-empty list (custom_id {cid!r})")
-        seen.add(cid)
-        out.append(r)
-    return out
-
-
 @dataclass
 class BatchResult:
     """One line of a Batch-API output file, reduced to what the parsers need."""

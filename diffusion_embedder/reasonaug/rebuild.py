@@ -22,22 +22,20 @@ from pathlib import Path
 from diffusion_embedder.reasonaug.concepts import Concept
 from diffusion_embedder.reasonaug.llm import BatchResult, read_batch_outputs
 from diffusion_embedder.reasonaug.parse import is_yes, parse_code_verdict, parse_definition, parse_problem_solution
+from diffusion_embedder.reasonaug.pipeline import StageConfig
 from diffusion_embedder.reasonaug.triplets import ConceptData
 
 logger = logging.getLogger(__name__)
 
-DEFINITION_OUTPUT = "gen_instance_definition/instance_definition_output.jsonl"
-PROBLEM_OUTPUT = "gen_problem_solution/outputs/problem_solution_output_{round}.jsonl"
-SOLUTION_CHECK_OUTPUT = "gen_problem_solution/solution_check_output.jsonl"
 _WORD = re.compile(r"[a-z_]{4,}")
 
 
-def find_file(root: Path, relative: str) -> Path:
-    """``relative`` under ``root``, or its gzipped copy (``.gz``) as shipped in ``ReasonAug/generation``."""
-    for candidate in (root / relative, root / (relative + ".gz")):
+def _plain_or_gzipped(path: Path) -> Path:
+    """``path``, or its gzipped copy (``.gz``) as shipped in ``ReasonAug/generation``."""
+    for candidate in (path, path.with_name(path.name + ".gz")):
         if candidate.exists():
             return candidate
-    raise FileNotFoundError(f"{root / relative} (or .gz) not found")
+    raise FileNotFoundError(f"{path} (or .gz) not found")
 
 
 _UPSTREAM_ID = re.compile(r"request-([1-9][0-9]*)")
@@ -81,11 +79,11 @@ def load_generation(
     root: str | Path, concepts: list[Concept], rounds: int = 8, min_overlap: float = 0.5
 ) -> tuple[list[ConceptData], RebuildReport]:
     """Parse definitions, pairs and solution-check verdicts from an upstream-layout folder."""
-    root = Path(root)
     report = RebuildReport(concepts=len(concepts))
-    definitions = read_batch_outputs(find_file(root, DEFINITION_OUTPUT))
-    outputs = [read_batch_outputs(find_file(root, PROBLEM_OUTPUT.format(round=r))) for r in range(1, rounds + 1)]
-    verdicts = read_batch_outputs(find_file(root, SOLUTION_CHECK_OUTPUT))
+    layout = StageConfig(root)  # the pipeline's file layout is upstream's
+    definitions = read_batch_outputs(_plain_or_gzipped(layout.definition_output))
+    outputs = [read_batch_outputs(_plain_or_gzipped(layout.problem_output(r))) for r in range(1, rounds + 1)]
+    verdicts = read_batch_outputs(_plain_or_gzipped(layout.check("solution", "output")))
 
     data = []
     for concept in concepts:

@@ -129,6 +129,37 @@ def _dedup(problems: tuple[str, ...], solutions: tuple[str, ...]) -> tuple[list[
     return ps, ss
 
 
+def _record(c: ConceptData, task: str, query: str, pos: str, neg: str | None, neg_instance: str) -> dict:
+    """A record of ``c`` in ``RECORD_FIELDS`` order, less the ``id``."""
+    return {
+        "domain": c.domain,
+        "instance": c.instance,
+        "task_type": task,
+        "task": task_instruction(task, c.domain, c.question_type),
+        "user_query": query,
+        "positive_document": pos,
+        "hard_negative_document": neg,
+        "negative_instance": neg_instance,
+    }
+
+
+def _pair_document(problem: str, solution: str, coding: bool) -> str:
+    """A pair as a document: the solution alone for coding (as upstream), else problem, newline, solution."""
+    return solution if coding else problem + "\n" + solution
+
+
+def _pair_query(
+    rng: random.Random, config: TripletConfig, problem: str, solution: str, instance: str
+) -> tuple[str, str]:
+    """``(task, query)`` of a pair-to-pair record: the problem (p2ps), or the problem with its solution or the
+    concept name (ps2ps). Always draws twice from ``rng``, so later draws do not depend on the task."""
+    task = "p2ps" if rng.random() < config.p2ps_fraction else "ps2ps"
+    with_solution = rng.random() < config.ps2ps_with_solution
+    if task == "p2ps":
+        return task, problem
+    return task, problem + "\n" + (solution if with_solution else instance)
+
+
 def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = None) -> list[dict]:
     """Build ReasonAug records (schema ``RECORD_FIELDS``) for all concepts, ordered by task then concept."""
     config = config or TripletConfig()
@@ -156,24 +187,9 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
             continue
         coding = c.question_type == "coding"
 
-        def doc(k: int, ps: list[str], ss: list[str], coding: bool = coding) -> str:
-            return ss[k] if coding else ps[k] + "\n" + ss[k]
-
-        def record(task: str, query: str, pos: str, neg: str | None, neg_instance: str, c: ConceptData = c):
-            if neg == pos:  # identical text in two concepts: not a usable negative
-                return
-            by_task[task].append(
-                {
-                    "domain": c.domain,
-                    "instance": c.instance,
-                    "task_type": task,
-                    "task": task_instruction(task, c.domain, c.question_type),
-                    "user_query": query,
-                    "positive_document": pos,
-                    "hard_negative_document": neg,
-                    "negative_instance": neg_instance,
-                }
-            )
+        def record(task: str, query: str, pos: str, neg: str, neg_instance: str, c: ConceptData = c):
+            if neg != pos:  # identical text in two concepts: not a usable negative
+                by_task[task].append(_record(c, task, query, pos, neg, neg_instance))
 
         # p2i
         rng = random.Random(f"{config.seed}:p2i:{c.instance}")
@@ -195,8 +211,8 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
         order = list(range(len(solutions)))
         rng.shuffle(order)
         for k, idx in zip(order, negs, strict=False):
-            neg = sol_docs[idx] if coding else prob_docs[idx] + "\n" + sol_docs[idx]
-            record("i2ps", c.instance, doc(k, problems, solutions), neg, owners[idx])
+            neg = _pair_document(prob_docs[idx], sol_docs[idx], coding)
+            record("i2ps", c.instance, _pair_document(problems[k], solutions[k], coding), neg, owners[idx])
 
         # p2ps / ps2ps
         rng = random.Random(f"{config.seed}:p2ps:{c.instance}")
@@ -210,21 +226,14 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
             )
         pairs = list(permutations(range(len(problems)), 2))
         for q, p in rng.sample(pairs, min(len(pairs), config.max_pairs_per_concept)):
-            task = "p2ps" if rng.random() < config.p2ps_fraction else "ps2ps"
-            with_solution = rng.random() < config.ps2ps_with_solution
+            task, query = _pair_query(rng, config, problems[q], solutions[q], c.instance)
             pool = negs_by_problem[problems[q]]
             if not pool:
                 logger.debug("%s: no negative left for a p2ps query", c.instance)
                 continue
             idx = pool.pop(0)
-            neg = sol_docs[idx] if coding else prob_docs[idx] + "\n" + sol_docs[idx]
-            if task == "p2ps":
-                query = problems[q]
-            elif with_solution:
-                query = problems[q] + "\n" + solutions[q]
-            else:
-                query = problems[q] + "\n" + c.instance
-            record(task, query, doc(p, problems, solutions), neg, owners[idx])
+            neg = _pair_document(prob_docs[idx], sol_docs[idx], coding)
+            record(task, query, _pair_document(problems[p], solutions[p], coding), neg, owners[idx])
 
     records = [r for task in TASK_TYPES for r in by_task[task]]
     for i, r in enumerate(records, 1):
@@ -247,26 +256,9 @@ def ring_records(concepts: list[ConceptData], config: TripletConfig | None = Non
         rng = random.Random(f"{config.seed}:ring:{c.instance}")
         for q in range(len(problems)):
             p = (q + 1) % len(problems)
-            task = "p2ps" if rng.random() < config.p2ps_fraction else "ps2ps"
-            with_solution = rng.random() < config.ps2ps_with_solution
-            pos = solutions[p] if c.question_type == "coding" else problems[p] + "\n" + solutions[p]
-            if task == "p2ps":
-                query = problems[q]
-            else:
-                query = problems[q] + "\n" + (solutions[q] if with_solution else c.instance)
-            out.append(
-                {
-                    "id": f"ring-{c.instance}-{q}",
-                    "domain": c.domain,
-                    "instance": c.instance,
-                    "task_type": task,
-                    "task": task_instruction(task, c.domain, c.question_type),
-                    "user_query": query,
-                    "positive_document": pos,
-                    "hard_negative_document": None,
-                    "negative_instance": GENERATED,
-                }
-            )
+            task, query = _pair_query(rng, config, problems[q], solutions[q], c.instance)
+            pos = _pair_document(problems[p], solutions[p], c.question_type == "coding")
+            out.append({"id": f"ring-{c.instance}-{q}", **_record(c, task, query, pos, None, GENERATED)})
     return out
 
 
