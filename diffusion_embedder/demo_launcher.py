@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if root is None:
         print(NOT_A_CHECKOUT.format(package=Path(__file__).resolve().parent), file=sys.stderr)
         return 1
-    # The child imports this very package (the checkout first on its path, as ``python -m`` from the checkout put it
-    # first here); its output goes through sys.stdout, so it shows wherever the caller's does (a notebook, a test).
+    # The checkout goes first on the child's path, so the demo runs this very copy of the package (found here perhaps
+    # through the working directory, as ``python -m`` finds it); the child's output is copied to sys.stdout, so it
+    # shows wherever the caller's output goes (a notebook, a captured test).
     path = [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1")
     command = [sys.executable, str(root / "experiments" / "demo.py"), *argv]

@@ -45,8 +45,6 @@ from diffusion_embedder import backbones
 from diffusion_embedder.data import load_text_blocks
 from diffusion_embedder.objectives import OBJECTIVES, ObjectiveOptions, mask_token_for
 
-logger = logging.getLogger(__name__)
-
 PRETRAIN_CONFIG = REPO / "train_configs" / "study" / "pretrain.json"
 #: embedder label -> (the LM it starts from, bidirectional attention)
 EMBEDDERS = {
@@ -110,8 +108,8 @@ def embed(label: str, model: Path, bidirectional: bool, settings: StudySettings)
     output_dir = settings.output_dir / "embedders" / label
     overrides = ["--model_name_or_path", str(model), "--output_dir", str(output_dir), "--seed", str(settings.seed)]
     if settings.embed_steps is not None:
-        steps, logging = str(settings.embed_steps), str(min(10, settings.embed_steps))
-        overrides += ["--max_steps", steps, "--save_steps", steps, "--logging_steps", logging]
+        steps, log_steps = str(settings.embed_steps), str(min(10, settings.embed_steps))
+        overrides += ["--max_steps", steps, "--save_steps", steps, "--logging_steps", log_steps]
     torchrun("run_supervised.py", config, settings.nproc, *overrides)
     return output_dir
 

@@ -31,7 +31,7 @@ def read_jsonl_gz(path: Path) -> list[dict]:
 
 
 def corpus_texts(records: list[dict]) -> list[str]:
-    """Every text of the training split, for the tokenizer."""
+    """Every text of the records (query, positive, hard negative): the tokenizer's and the LM stages' text."""
     return [r[k] for r in records for k in ("user_query", "positive_document", "hard_negative_document")]
 
 
