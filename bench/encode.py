@@ -16,7 +16,7 @@ import resource
 import time
 from pathlib import Path
 
-from diffusion_embedder.demo_model import SHAPES_7B
+from diffusion_embedder.random_models import SHAPES_7B
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "reasonaug"
@@ -48,7 +48,7 @@ def load_corpus(data_dir: Path, limit: int) -> list[str]:
 def build_encoder(preset: str, device: str, dtype: str, attn: str, max_length: int):
     import torch
 
-    from diffusion_embedder.demo_model import random_encoder
+    from diffusion_embedder.random_models import random_encoder
 
     model_type, dims = PRESETS[preset]
     return random_encoder(model_type, dims, TOKENIZER, device=device, dtype=getattr(torch, dtype), attn=attn,

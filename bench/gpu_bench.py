@@ -25,9 +25,9 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: int, docs: int, budget: int) -> dict:
     import torch
 
-    from diffusion_embedder.demo_model import SHAPES_7B, random_encoder
     from diffusion_embedder.encoder import _Tokenized, length_batches
     from diffusion_embedder.packing import plan_batches, row_length
+    from diffusion_embedder.random_models import SHAPES_7B, random_encoder
 
     model_type, dims = SHAPES_7B[shape]
     encoder = random_encoder(model_type, dims, TOKENIZER, device="cuda", dtype=torch.bfloat16, attn=attn)
@@ -70,7 +70,7 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
 
 
 def main() -> None:
-    from diffusion_embedder.demo_model import SHAPES_7B
+    from diffusion_embedder.random_models import SHAPES_7B
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES_7B), choices=list(SHAPES_7B))

@@ -198,7 +198,8 @@ def _parsers():
     """Every argparse parser behind ``diffusion-embedder eval | report | demo | reasonaug [stage]``."""
     import argparse
 
-    from diffusion_embedder import demo
+    import demo  # experiments/demo.py
+
     from diffusion_embedder.evaluation import report
     from diffusion_embedder.reasonaug import cli as reasonaug_cli
 

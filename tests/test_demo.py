@@ -7,16 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-
-from diffusion_embedder.demo import (
-    HELDOUT_SPLIT,
-    TRAIN_SPLIT,
-    DemoSettings,
-    build_heldout_task,
-    learned,
-    read_jsonl_gz,
-    run_demo,
-)
+from demo import DemoSettings, run_demo
+from tiny_runs import HELDOUT_SPLIT, TRAIN_SPLIT, build_heldout_task, learned, read_jsonl_gz
 
 
 def test_heldout_task_never_shares_a_concept_with_training(tmp_path):

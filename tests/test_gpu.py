@@ -14,8 +14,8 @@ from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention, ra
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_backbone, set_bidirectional
-from diffusion_embedder.demo_model import SHAPES_7B, random_encoder
 from diffusion_embedder.pooling import POOLING_MODES
+from diffusion_embedder.random_models import SHAPES_7B, random_encoder
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from study import heldout_lm_loss, plot, study_table
+from tiny_runs import HELDOUT_SPLIT, TRAIN_SPLIT, corpus_texts, read_jsonl_gz
 
-from diffusion_embedder.demo import HELDOUT_SPLIT, TRAIN_SPLIT, corpus_texts, read_jsonl_gz
-from diffusion_embedder.study import heldout_lm_loss, plot, study_table
 from diffusion_embedder.training import pretrain
 
 ROOT = Path(__file__).resolve().parents[1]

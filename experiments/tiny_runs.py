@@ -1,18 +1,9 @@
-"""The main job in miniature: bidirectional vs causal, trained and evaluated on this machine.
-
-1. one tiny Dream-format checkpoint (tokenizer trained on the shipped ReasonAug text, random
-   weights): the bidirectional and the causal arm start from the very same weights;
-2. both arms trained by the real training entry point (``torchrun``, 2 CPU processes,
-   HardNegativeNLLLoss) on the ReasonAug training split, from ``train_configs/demo/``;
-3. the untrained and trained encoders evaluated through the real evaluation path (a local BEIR
-   task through mteb) on the held-out ReasonAug concepts;
-4. one table (nDCG@10 and Recall@100 per model, before and after training) and the report
-   (markdown, CSV, bar charts) in the output folder, next to the checkpoints.
+"""What the demo and the study share: the shipped ReasonAug splits, the held-out-concepts task, stage runs under
+``torchrun`` (the real training entry points, ``experiments/run_*.py``), loss against chance, evaluation through mteb.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import logging
@@ -21,13 +12,8 @@ import os
 import random
 import subprocess
 import sys
-import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
-
-from diffusion_embedder import clihelp
-from diffusion_embedder.demo_model import TinyModelConfig, make_tiny_dream
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN_SPLIT = REPO / "ReasonAug" / "ReasonAug_train.jsonl.gz"
 HELDOUT_SPLIT = REPO / "ReasonAug" / "ReasonAug_heldout.jsonl.gz"
 DEMO_CONFIGS = REPO / "train_configs" / "demo"
-ARMS = ("bidirectional", "causal")
 #: Held-out task: a problem as query, every problem/solution document of its concept relevant.
 TASK_TYPES = ("p2ps", "ps2ps")
-
-
-@dataclass
-class DemoSettings:
-    output_dir: Path
-    config_dir: Path = DEMO_CONFIGS
-    max_queries: int = 200
-    nproc: int = 2
-    max_steps: int | None = None
-    seed: int = 0
-    model: TinyModelConfig = TinyModelConfig()
 
 
 def read_jsonl_gz(path: Path) -> list[dict]:
@@ -57,7 +31,7 @@ def read_jsonl_gz(path: Path) -> list[dict]:
 
 
 def corpus_texts(records: list[dict]) -> list[str]:
-    """Every text of the training split, for the tokenizer."""
+    """Every text of the records (query, positive, hard negative): the tokenizer's and the LM stages' text."""
     return [r[k] for r in records for k in ("user_query", "positive_document", "hard_negative_document")]
 
 
@@ -102,21 +76,16 @@ def build_heldout_task(records: list[dict], folder: Path, max_queries: int, seed
     return {"queries": len(queries), "documents": len(docs), "concepts": len(by_concept)}
 
 
-def train_arm(arm: str, init: Path, output_dir: Path, settings: DemoSettings) -> Path:
-    """Run the real training entry point under torchrun; returns the final checkpoint folder."""
-    script = REPO / "experiments" / "run_supervised.py"
+def torchrun(script: str, config: Path, nproc: int, *overrides: str) -> None:
+    """One stage run of ``experiments/<script>``; the demo and the study rebuild everything, so a rerun replaces the
+    previous run's folders."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.nproc}",
-        str(script), str(settings.config_dir / f"{arm}.json"),
-        "--model_name_or_path", str(init), "--output_dir", str(output_dir), "--seed", str(settings.seed),
-        "--overwrite_output_dir",  # the demo rebuilds everything: a rerun replaces the previous run
-    ]
-    if settings.max_steps is not None:  # a checkpoint at the last step keeps its loss log
-        command += ["--max_steps", str(settings.max_steps), "--save_steps", str(settings.max_steps)]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(REPO / "experiments" / script), str(config), *overrides, "--overwrite_output_dir",
+    ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    logger.info("Training the %s arm: %s", arm, " ".join(command))
+    logger.info("Running %s", " ".join(command))
     subprocess.run(command, check=True, env=env, cwd=REPO)
-    return output_dir
 
 
 def final_training_loss(run_dir: Path) -> float:
@@ -183,81 +152,3 @@ def evaluate_models(models: dict[str, tuple], task: Path, output_dir: Path) -> d
             raise RuntimeError(f"Evaluation of {label} failed: {outcome.failures}")
         scores[label] = scores_of(outcome.results_dir, json.loads((task / "task.json").read_text())["name"])
     return scores
-
-
-def results_table(scores: dict[str, dict]) -> str:
-    lines = [
-        "| model | attention | training | nDCG@10 | Recall@100 | final train loss (chance) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for label, s in scores.items():
-        arm, stage = label.rsplit("-", 1)
-        loss = ""
-        if "final_loss" in s:
-            verdict = "" if learned(s["final_loss"], s["chance_loss"]) else ": near chance, did not learn"
-            loss = f"{s['final_loss']:.3f} ({s['chance_loss']:.3f}){verdict}"
-        row = f"| {label} | {arm} | {stage} | {100 * s['ndcg_at_10']:.2f} | {100 * s['recall_at_100']:.2f} | {loss} |"
-        lines.append(row)
-    return "\n".join(lines)
-
-
-def run_demo(settings: DemoSettings) -> dict[str, dict]:
-    """The whole job; returns ``label -> scores`` and writes everything under ``settings.output_dir``."""
-    out = settings.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    train_records = read_jsonl_gz(TRAIN_SPLIT)
-    init = make_tiny_dream(out / "init", corpus_texts(train_records), settings.model)
-    task = out / "heldout_task"
-    stats = build_heldout_task(read_jsonl_gz(HELDOUT_SPLIT), task, settings.max_queries, settings.seed)
-    logger.info("Held-out task: %s", stats)
-
-    checkpoints = {arm: train_arm(arm, init, out / "checkpoints" / arm, settings) for arm in ARMS}
-    models = {}
-    for arm in ARMS:
-        settings_ = training_settings(settings.config_dir / f"{arm}.json")
-        models[f"{arm}-untrained"] = (str(init), arm == "bidirectional", settings_)
-        models[f"{arm}-trained"] = (str(checkpoints[arm]), arm == "bidirectional")
-    scores = evaluate_models(models, task, out)
-    for arm in ARMS:
-        scores[f"{arm}-trained"]["final_loss"] = final_training_loss(checkpoints[arm])
-        scores[f"{arm}-trained"]["chance_loss"] = chance_loss(settings.config_dir / f"{arm}.json", settings.nproc)
-
-    from diffusion_embedder.evaluation.report import write_report
-
-    table = results_table(scores)
-    write_report([str(out / "eval" / label) for label in models], str(out / "report"))
-    (out / "report").mkdir(exist_ok=True)
-    (out / "report" / "demo.md").write_text(
-        f"# Demo: bidirectional vs causal\n\nHeld-out task: {stats}\n\n{table}\n\n"
-        f"Wall time: {time.perf_counter() - start:.0f} s\n"
-    )
-    with open(out / "report" / "demo.csv", "w", encoding="utf-8") as f:
-        f.write("model,ndcg_at_10,recall_at_100\n")
-        for label, s in scores.items():
-            f.write(f"{label},{s['ndcg_at_10']:.6f},{s['recall_at_100']:.6f}\n")
-    return scores
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=clihelp.prog("demo"), description=__doc__, formatter_class=clihelp.HelpFormatter
-    )
-    parser.add_argument("--output_dir", default="runs/demo", help="checkpoints, results and report go here")
-    parser.add_argument("--max_queries", type=int, default=200)
-    parser.add_argument("--max_steps", type=int, default=None, help="override the demo configs' step count")
-    parser.add_argument("--nproc", type=int, default=2, help="training processes (torchrun --nproc_per_node)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = DemoSettings(Path(args.output_dir), max_queries=args.max_queries, nproc=args.nproc,
-                            max_steps=args.max_steps)
-    start = time.perf_counter()
-    scores = run_demo(settings)
-    print(f"\nHeld-out ReasonAug concepts, {len(scores)} models ({time.perf_counter() - start:.0f} s):\n")
-    print(results_table(scores))
-    print(f"\nReport, checkpoints and results: {settings.output_dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
