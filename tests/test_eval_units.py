@@ -19,8 +19,8 @@ from conftest import LLAMA_FIXTURE  # noqa: E402
 from diffusion_embedder import Encoder  # noqa: E402
 from diffusion_embedder.evaluation import local, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
-from diffusion_embedder.evaluation.run import check_identity  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.results import check_identity  # noqa: E402
 
 BRIGHT_INSTRUCTION = (
     "Given this reasoning-intensive query, find relevant documents that could help answer the question:"

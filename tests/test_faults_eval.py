@@ -21,10 +21,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
-from diffusion_embedder.evaluation import report, run, tasks  # noqa: E402
+from diffusion_embedder.evaluation import report, results, run, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache, settings_key, text_hash  # noqa: E402
 from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
 
 TASK = "HandRetrieval"
 INSTRUCTION = "Find the matching note:"
@@ -196,7 +196,7 @@ def test_a_changed_shipped_instruction_scores_the_task_again(tmp_path, monkeypat
         assert score({TASK: "New shipped instruction:"}) >= {"New shipped instruction:"}
     assert "query instruction changed" in caplog.text and "New shipped instruction:" in caplog.text
     assert score({}) >= {INSTRUCTION}  # gone from the file: the task's own prompt (task.json), scored again
-    (next(out.rglob(run.INSTRUCTIONS_FILE))).unlink()  # a result of an older version: no record, not trusted
+    (next(out.rglob(results.INSTRUCTIONS_FILE))).unlink()  # a result of an older version: no record, not trusted
     assert score({}) >= {INSTRUCTION}
     assert score({}) == set()
     assert len(list(out.rglob(f"{TASK}.json"))) == 1 and not list(out.rglob("experiments"))
