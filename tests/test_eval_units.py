@@ -209,6 +209,13 @@ def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
     assert [p.name for p in older.iterdir()] == ["identity.jsonl"]
 
 
+def test_damaged_identity_record_names_the_file_and_the_remedy(tmp_path):
+    for text, problem in (("{broken", r"identity.jsonl:1: not valid JSON"), ("[1]", r"expected a JSON object")):
+        (tmp_path / "identity.jsonl").write_text(text)
+        with pytest.raises(RuntimeError, match=problem + r".* Delete it to re-record this folder"):
+            check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})
+
+
 # ------------------------------------------------------------------ local data
 def test_bad_beir_folders_name_file_and_line(tmp_path):
     (tmp_path / "qrels").mkdir()

@@ -238,6 +238,14 @@ def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
     assert fixed.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
 
 
+def test_a_damaged_model_meta_names_the_file(tmp_path):
+    folder = tmp_path / "results" / "m" / "r"
+    folder.mkdir(parents=True)
+    (folder / "model_meta.json").write_text('{"name": "m",')
+    with pytest.raises(ValueError, match=r"model_meta.json:1: not valid JSON"):
+        report.load_results([str(tmp_path)])
+
+
 def truncate_rows(folder: Path, shard: str) -> None:
     path = folder / f"{shard}.npy"
     path.write_bytes(path.read_bytes()[:-8])
