@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,10 +20,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import LLAMA_FIXTURE  # noqa: E402
 
-from diffusion_embedder import Encoder, cli  # noqa: E402
+from diffusion_embedder import Encoder, cli, clihelp  # noqa: E402
+from diffusion_embedder.config import setting_fields  # noqa: E402
 from diffusion_embedder.evaluation import run  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
 
 INSTRUCTIONS = Path(__file__).parent / "fixtures" / "beir" / "instructions"
 REASONAUG = Path(__file__).parent / "fixtures" / "beir" / "reasonaug"
@@ -119,6 +121,18 @@ def test_encode_flags_reach_the_encoder_call(tmp_path, stand_in):
     assert run.wrap_encoder(stand_in, run.parse_args(["--revision", "r", "--no_embedding_cache"])).cache is None
     default = run.wrap_encoder(stand_in, run.parse_args(["--revision", "r", "--output_dir", str(tmp_path / "o")]))
     assert default.cache.root == str(tmp_path / "o" / "embedding_cache")
+
+
+def test_every_option_is_one_flag_defaulting_to_its_field():
+    """The parser is built from ``EvalArguments``: one flag per field, the field's default when unset."""
+    actions = {a.dest: a for a in run.build_parser()._actions if a.dest != "help"}
+    assert sorted(actions) == sorted(f.name for f in dataclasses.fields(run.EvalArguments))
+    assert run.parse_args([]) == run.EvalArguments()
+    assert run.parse_args([]).task_name is not run.parse_args([]).task_name  # a fresh list each time
+    typed = run.parse_args(["--batch_size", "3", "--max_length_cap", "9", "--top_k", "5"])
+    assert (typed.batch_size, typed.max_length_cap, typed.top_k) == (3, 9, 5)
+    for f in setting_fields():  # unset: the checkpoint's own, else the default shown (a factory's too)
+        assert f"else {clihelp.default_text(f)}" in actions[f.name].help, actions[f.name].help
 
 
 def test_max_length_cap_reaches_the_longembed_split_lengths():

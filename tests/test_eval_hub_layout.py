@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from diffusion_embedder.evaluation import run  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
 from diffusion_embedder.evaluation.tasks import load_instructions  # noqa: E402
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

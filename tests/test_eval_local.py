@@ -176,7 +176,7 @@ def test_pmrr_equals_the_hand_computation(tmp_path):
     With --top_k 2 a document outside the kept list gets rank len + 1 = 3 (the paper's truncation effect):
       topic 1: d1 1 -> 3: 1 - 1/3;  topic 2 unchanged (all within the top 2): 0;  p-MRR = (2/3) / 2 = 1/3
     """
-    from diffusion_embedder.evaluation.model import MTEBEncoder
+    from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
 
     expected = {None: 0.375, 2: 1 / 3}
     for top_k, value in expected.items():

@@ -20,7 +20,8 @@ from conftest import LLAMA_FIXTURE, randomize_lora_b  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from diffusion_embedder import Encoder, cli  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder, checkpoint_name  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.results import checkpoint_name  # noqa: E402
 
 INSTRUCTIONS = Path(__file__).parent / "fixtures" / "beir" / "instructions"
 TASK = "HandInstructionRetrieval"

@@ -19,8 +19,8 @@ from conftest import LLAMA_FIXTURE  # noqa: E402
 from diffusion_embedder import Encoder  # noqa: E402
 from diffusion_embedder.evaluation import local, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
-from diffusion_embedder.evaluation.run import check_identity  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.results import check_identity  # noqa: E402
 
 BRIGHT_INSTRUCTION = (
     "Given this reasoning-intensive query, find relevant documents that could help answer the question:"
@@ -207,6 +207,13 @@ def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="holds results of another checkpoint"):
         check_identity(older, {"weights": "bbb", "settings": {"pooling_mode": "mean"}})
     assert [p.name for p in older.iterdir()] == ["identity.jsonl"]
+
+
+def test_damaged_identity_record_names_the_file_and_the_remedy(tmp_path):
+    for text, problem in (("{broken", r"identity.jsonl:1: not valid JSON"), ("[1]", r"expected a JSON object")):
+        (tmp_path / "identity.jsonl").write_text(text)
+        with pytest.raises(RuntimeError, match=problem + r".* Delete it to re-record this folder"):
+            check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})
 
 
 # ------------------------------------------------------------------ local data

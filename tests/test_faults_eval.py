@@ -21,10 +21,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
-from diffusion_embedder.evaluation import report, run, tasks  # noqa: E402
+from diffusion_embedder.evaluation import report, results, run, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache, settings_key, text_hash  # noqa: E402
 from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
-from diffusion_embedder.evaluation.model import MTEBEncoder  # noqa: E402
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
 
 TASK = "HandRetrieval"
 INSTRUCTION = "Find the matching note:"
@@ -196,7 +196,7 @@ def test_a_changed_shipped_instruction_scores_the_task_again(tmp_path, monkeypat
         assert score({TASK: "New shipped instruction:"}) >= {"New shipped instruction:"}
     assert "query instruction changed" in caplog.text and "New shipped instruction:" in caplog.text
     assert score({}) >= {INSTRUCTION}  # gone from the file: the task's own prompt (task.json), scored again
-    (next(out.rglob(run.INSTRUCTIONS_FILE))).unlink()  # a result of an older version: no record, not trusted
+    (next(out.rglob(results.INSTRUCTIONS_FILE))).unlink()  # a result of an older version: no record, not trusted
     assert score({}) >= {INSTRUCTION}
     assert score({}) == set()
     assert len(list(out.rglob(f"{TASK}.json"))) == 1 and not list(out.rglob("experiments"))
@@ -236,6 +236,14 @@ def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
     assert str(result) in str(err.value)
     fixed = evaluate(folder, out, overwrite=True)
     assert fixed.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
+
+
+def test_a_damaged_model_meta_names_the_file(tmp_path):
+    folder = tmp_path / "results" / "m" / "r"
+    folder.mkdir(parents=True)
+    (folder / "model_meta.json").write_text('{"name": "m",')
+    with pytest.raises(ValueError, match=r"model_meta.json:1: not valid JSON"):
+        report.load_results([str(tmp_path)])
 
 
 def truncate_rows(folder: Path, shard: str) -> None:

@@ -15,12 +15,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffusion_embedder.evaluation.results import LEGACY_IDENTITY_FILE
 from diffusion_embedder.evaluation.tasks import BENCHMARKS, benchmark_of
+from diffusion_embedder.files import read_json_object
 
 logger = logging.getLogger(__name__)
 
 BENCHMARK_ORDER = ("followir", "longembed", "bright", "local")
-SKIP_FILES = {"model_meta.json", "identity.json"}  # identity.json: written by older versions
+SKIP_FILES = {"model_meta.json", LEGACY_IDENTITY_FILE}  # not task results
 #: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
 OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
 OG_DEFAULT = "map_at_1000"
@@ -141,7 +143,7 @@ def _main_metric(result) -> str:
 
 
 def _model_label(folder: Path) -> str:
-    meta = json.loads((folder / "model_meta.json").read_text())
+    meta = read_json_object(folder / "model_meta.json")
     label = f"{meta.get('name')}@{str(meta.get('revision'))[:8]}"
     if meta.get("experiment_kwargs"):
         exp = ",".join(f"{k}={v}" for k, v in sorted(meta["experiment_kwargs"].items()))

@@ -1,17 +1,14 @@
-"""Evaluation driver: load a checkpoint, build the tasks, run mteb per task, keep going past failures.
+"""``eval``: its options, then load a checkpoint, build the tasks, run mteb per task, keep going past failures.
 
 Results go to mteb's standard path ``OUTPUT_DIR/results/<name>/<revision>/<Task>.json`` when the checkpoint
 is evaluated with its own settings, and under ``<revision>/experiments/<ablation>/`` when encoder or
-evaluation settings are overridden. The revision is a hash of the loaded weights and settings, and
-``identity.jsonl`` beside the results is checked on every run, so scores of another checkpoint are never
-reused. A stored result is reused only for the same data (dataset revision; for local tasks a hash of
-their files) and the same query instruction (recorded in ``query_instructions.jsonl``).
+evaluation settings are overridden. Which weights, settings, data and instruction a stored result belongs
+to, and when it is scored again, is the ledger of ``results.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -21,50 +18,65 @@ import sys
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from diffusion_embedder import clihelp
 from diffusion_embedder.config import field_types as encoder_field_types
 from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.dtypes import TORCH_DTYPES
-from diffusion_embedder.evaluation.tasks import resolve_task_names
+from diffusion_embedder.evaluation.results import check_identity, record_instruction, rescore_reason
+from diffusion_embedder.evaluation.tasks import (
+    BENCHMARKS,
+    DEFAULT_MAX_LENGTH_CAP,
+    DEFAULT_QUERY_TEMPLATE,
+    resolve_task_names,
+)
+from diffusion_embedder.files import parse_json_object
 
 logger = logging.getLogger(__name__)
 
-#: Beside the results: the weights and settings they belong to. Not ``*.json``: mteb's ResultCache reads
-#: every ``*.json`` next to ``model_meta.json`` as a task result.
-IDENTITY_FILE = "identity.jsonl"
-#: Beside the results: the query instruction each task was scored with, one JSON line per task.
-INSTRUCTIONS_FILE = "query_instructions.jsonl"
 #: Encoder settings the command line may override; an override is an ablation (an ``experiments/`` folder).
 ENCODER_FLAGS = tuple(f.name for f in setting_fields())
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
 FULL_RANKING = 2**62
 
 
+def _option(default=None, help: str | None = None, **cli):
+    """An ``eval`` option: its default and help; ``cli`` may add ``choices``, or ``flag`` for a
+    ``True`` switch (the ``--flag`` that turns it off)."""
+    factory = {"default_factory": default.copy} if isinstance(default, list) else {"default": default}
+    return field(**factory, metadata={"help": help, **cli})
+
+
 @dataclass
 class _EvalOptions:
-    base_model_name_or_path: str | None = None
-    peft_model_name_or_path: str | None = None
-    task_name: list[str] = field(default_factory=list)
-    benchmark: str | None = None
-    local_task: list[str] = field(default_factory=list)
-    task_to_instructions_fp: str | None = None
-    output_dir: str = "results"
-    batch_size: int = 32
-    max_length_cap: int = 32768
-    top_k: int | None = None
-    data_dir: str | None = None
-    query_template: str = "{query} {instruction}"
-    embedding_cache_dir: str | None = None
-    no_embedding_cache: bool = False
-    overwrite: bool = False
-    save_predictions: bool = False
-    show_progress_bar: bool = True
-    model_name: str | None = None
-    revision: str | None = None
-    torch_dtype: str | None = None
-    device: str | None = None
+    """Every ``eval`` option, once: ``build_parser`` makes one flag per field (a list is ``nargs="+"``,
+    a bool a switch)."""
+
+    base_model_name_or_path: str | None = _option(help="base checkpoint, encoder folder or hub name")
+    peft_model_name_or_path: str | None = _option(help="LoRA adapter trained on top of the base")
+    task_name: list[str] = _option([], "mteb task name(s); upstream Bright* names accepted")
+    benchmark: str | None = _option(choices=tuple(BENCHMARKS))
+    local_task: list[str] = _option([], "BEIR-format folder(s) to evaluate")
+    task_to_instructions_fp: str | None = _option(
+        help="JSON task -> query instruction (default: the shipped file)")
+    output_dir: str = _option("results")
+    batch_size: int = _option(32)
+    max_length_cap: int = _option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits")
+    top_k: int | None = _option(
+        help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
+             "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation")
+    data_dir: str | None = _option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
+    query_template: str = _option(DEFAULT_QUERY_TEMPLATE, "FollowIR query + instruction format")
+    embedding_cache_dir: str | None = _option(
+        help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
+    no_embedding_cache: bool = _option(False)
+    overwrite: bool = _option(False, "rerun tasks that already have results")
+    save_predictions: bool = _option(False)
+    show_progress_bar: bool = _option(True, flag="no_progress_bar")
+    model_name: str | None = _option(help="results name (default: diffusion_embedder/<checkpoint folder>)")
+    revision: str | None = _option(help="results revision (default: hash of weights and settings)")
+    torch_dtype: str | None = _option(help="default: float32", choices=TORCH_DTYPES)
+    device: str | None = _option()
 
 
 #: The evaluation options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
@@ -94,34 +106,24 @@ def _str2bool(value: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``eval`` command line: one flag per ``_EvalOptions`` field, then one per encoder setting."""
     p = argparse.ArgumentParser(
         prog=clihelp.prog("eval"),
         description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data.",
         formatter_class=clihelp.HelpFormatter,
     )
-    p.add_argument("--base_model_name_or_path", help="base checkpoint, encoder folder or hub name")
-    p.add_argument("--peft_model_name_or_path", help="LoRA adapter trained on top of the base")
-    p.add_argument("--task_name", nargs="+", default=[], help="mteb task name(s); upstream Bright* names accepted")
-    p.add_argument("--benchmark", choices=["followir", "longembed", "bright", "all"])
-    p.add_argument("--local_task", nargs="+", default=[], help="BEIR-format folder(s) to evaluate")
-    p.add_argument("--task_to_instructions_fp", help="JSON task -> query instruction (default: the shipped file)")
-    p.add_argument("--output_dir", default="results")
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--max_length_cap", type=int, default=32768, help="upper bound for LongEmbed length splits")
-    p.add_argument("--top_k", type=int, default=None,
-                   help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
-                        "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation")
-    p.add_argument("--data_dir", help="folder with datasets downloaded beforehand (clones of the hub repos)")
-    p.add_argument("--query_template", default="{query} {instruction}", help="FollowIR query + instruction format")
-    p.add_argument("--embedding_cache_dir", help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
-    p.add_argument("--no_embedding_cache", action="store_true")
-    p.add_argument("--overwrite", action="store_true", help="rerun tasks that already have results")
-    p.add_argument("--save_predictions", action="store_true")
-    p.add_argument("--no_progress_bar", dest="show_progress_bar", action="store_false")
-    p.add_argument("--model_name", help="results name (default: diffusion_embedder/<checkpoint folder>)")
-    p.add_argument("--revision", help="results revision (default: hash of weights and settings)")
-    p.add_argument("--torch_dtype", default=None, choices=TORCH_DTYPES, help="default: float32")
-    p.add_argument("--device", default=None)
+    hints = typing.get_type_hints(_EvalOptions)
+    for f in dataclasses.fields(_EvalOptions):
+        tp = hints[f.name]
+        spec = {k: f.metadata[k] for k in ("help", "choices") if k in f.metadata}
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if tp is bool:
+            spec["action"] = "store_false" if default else "store_true"
+        elif typing.get_origin(tp) is list:
+            spec |= {"nargs": "+", "type": typing.get_args(tp)[0]}
+        else:
+            spec["type"] = int if int in (tp, *typing.get_args(tp)) else str
+        p.add_argument(f"--{f.metadata.get('flag', f.name)}", dest=f.name, default=default, **spec)
     add_encoder_flags(p)
     return p
 
@@ -133,10 +135,7 @@ def _setting_type(name: str):
 
     def parse(raw: str):
         if base is dict:
-            try:
-                value = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise argparse.ArgumentTypeError(f"{name}: expected a JSON object, got {raw!r}") from err
+            value = parse_json_object(raw, name, argparse.ArgumentTypeError)
             if not matches_type(value, tp):
                 raise argparse.ArgumentTypeError(f"{name}: expected a JSON object of strings, got {raw!r}")
             return value
@@ -161,11 +160,12 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
             type=_setting_type(f.name),
             default=None,
             metavar=f.name.upper(),
-            help=f"{f.metadata['help']} (default: the checkpoint's, else {f.default!r}{extra})",
+            help=f"{f.metadata['help']} (default: the checkpoint's, else {clihelp.default_text(f)}{extra})",
         )
 
 
 def parse_args(argv: list[str] | None = None) -> EvalArguments:
+    """``EvalArguments`` from the command line (``argv``, else ``sys.argv``)."""
     return EvalArguments(**vars(build_parser().parse_args(argv)))
 
 
@@ -188,25 +188,19 @@ def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict
 
 
 def load_encoder(args: EvalArguments):
-
-    from diffusion_embedder import Encoder
-
+    """The checkpoint ``args`` name, with the encoder settings they override."""
     if not args.base_model_name_or_path:
         raise ValueError("--base_model_name_or_path is required.")
-    return Encoder.from_pretrained(
-        args.base_model_name_or_path,
-        peft_model_name_or_path=args.peft_model_name_or_path,
-        merge_peft=args.peft_model_name_or_path is not None,
-        torch_dtype=args.torch_dtype,
-        device=args.device,
-        **encoder_overrides(args),
-    )
+    from diffusion_embedder.evaluation.mteb_model import load_checkpoint
+
+    return load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
+                           args.device, **encoder_overrides(args))
 
 
 def wrap_encoder(encoder, args: EvalArguments):
     """The mteb model for ``encoder`` under ``args`` (instructions, template, cache, results identity)."""
     from diffusion_embedder.evaluation.cache import EmbeddingCache
-    from diffusion_embedder.evaluation.model import MTEBEncoder
+    from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
     from diffusion_embedder.evaluation.tasks import load_instructions
 
     instructions = load_instructions(args.task_to_instructions_fp)
@@ -243,87 +237,6 @@ def task_factories(args: EvalArguments) -> list[tuple[str, Callable]]:
     if not factories:
         raise ValueError("Nothing to evaluate: give --task_name, --benchmark or --local_task.")
     return factories
-
-
-def check_identity(results_dir: Path, identity: dict) -> None:
-    """Refuse a results folder written by another checkpoint (same name/revision, different weights)."""
-    path = results_dir / IDENTITY_FILE
-    legacy = results_dir / "identity.json"
-    if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
-        legacy.rename(path)
-    # where the weights were loaded from is provenance, not identity (a copied checkpoint, or an adapter
-    # loaded beside its base instead of merged, is the same one)
-    provenance = ("base_model_name_or_path", "merged_adapters")
-    settings = {k: v for k, v in identity["settings"].items() if k not in provenance}
-    record = {"weights": identity["weights"], "settings": settings}
-    if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise RuntimeError(f"{path} is not valid JSON ({e.msg}); delete it to re-record this folder.") from None
-        if stored != json.loads(json.dumps(record, default=str)):
-            raise RuntimeError(
-                f"{results_dir} holds results of another checkpoint (weights {str(stored.get('weights'))[:12]}..., "
-                f"this one {str(identity['weights'])[:12]}...); choose another --output_dir or --revision."
-            )
-        return
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")
-
-
-def _stored_instructions(results_dir: Path) -> dict[str, str]:
-    """Task -> query instruction its stored result was scored with; unreadable lines count as no record."""
-    path = results_dir / INSTRUCTIONS_FILE
-    records: dict[str, str] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
-                record = json.loads(line)
-                records[str(record["task"])] = str(record["query_instruction"])
-    return records
-
-
-def record_instruction(results_dir: Path, task_name: str, instruction: str) -> None:
-    """Note the instruction ``task_name`` was just scored with (written after its result, replaced atomically)."""
-    records = {**_stored_instructions(results_dir), task_name: instruction}
-    path = results_dir / INSTRUCTIONS_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"task": k, "query_instruction": v}) + "\n" for k, v in sorted(records.items())),
-                   encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def rescore_reason(cache, task, meta, instruction: str) -> str | None:
-    """Why the stored result of ``task`` must not be reused (its data or query instruction changed), or None.
-
-    mteb reuses a complete result whatever data it was computed on; the result records the dataset
-    revision (for a local task, the hash of its files), so we compare it with the task's own. The query
-    instruction resolved for the task (from the shipped file, a user file or mteb's prompt, whichever
-    applies) is recorded beside the results and compared too, so an upgrade that changes the shipped
-    instruction scores again. An unreadable result is an error naming the file, never a silent rerun or a
-    crash inside mteb.
-    """
-    from mteb.results import TaskResult
-
-    path = cache.get_task_result_path(task.metadata.name, meta)
-    if not path.is_file():
-        return None
-    try:
-        stored = TaskResult.from_disk(path)
-    except Exception as e:  # noqa: BLE001 - truncated JSON, wrong schema: all mean the same to the user
-        raise ValueError(
-            f"{path}: cannot read this stored result ({type(e).__name__}: {str(e)[:200]}); "
-            f"rerun with --overwrite to score {task.metadata.name} again."
-        ) from None
-    if stored.dataset_revision != task.metadata.revision:
-        return (f"its data changed since {path} was written "
-                f"(dataset revision {stored.dataset_revision} -> {task.metadata.revision})")
-    used = _stored_instructions(path.parent).get(task.metadata.name)
-    if used is None:
-        return f"{path.parent / INSTRUCTIONS_FILE} does not record the query instruction {path.name} was scored with"
-    if used != instruction:
-        return f"its query instruction changed since {path} was written ({used!r} -> {instruction!r})"
-    return None
 
 
 def apply_top_k(task, top_k: int | None) -> None:

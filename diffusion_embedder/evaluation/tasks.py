@@ -63,7 +63,11 @@ ALIASES: dict[str, str] = {
 }
 
 DEFAULT_QUERY_INSTRUCTION = "Retrieve text based on user query:"
+#: How FollowIR's per-query instruction joins the query (upstream and mteb: query first).
+DEFAULT_QUERY_TEMPLATE = "{query} {instruction}"
 LENGTH_SPLIT = re.compile(r"^test_(\d+)$")
+#: The most tokens a LongEmbed length split (``test_32768``...) is given.
+DEFAULT_MAX_LENGTH_CAP = 32768
 
 
 def benchmark_of(task_name: str) -> str:

@@ -1,22 +1,17 @@
 """The mteb 2.x model around an ``Encoder``: instructions on queries only, per-split lengths, cached documents.
 
-The ``ModelMeta`` name/revision come from the checkpoint: the revision is a hash of the weights the
-forward pass uses (base with every adapter folded in, pooling head) and of the encoder settings, so a
-retrained checkpoint never picks up another's scores, and the same weights loaded as base + adapter
-or as an encoder folder get the same revision. Settings overridden for one evaluation (``overrides``:
-pooling, attention, lengths) and non-default evaluation settings go to ``experiment_kwargs``, so a
-checkpoint evaluated with its own settings sits at mteb's standard path and ablations under
-``experiments/``.
+Its ``ModelMeta`` carries the results identity of ``results.py`` (name and revision from the checkpoint
+and its weights) and what else we know of the model (sizes, provenance, training data). Settings
+overridden for one evaluation (``overrides``: pooling, attention, lengths) and non-default evaluation
+settings go to ``experiment_kwargs``, so a checkpoint evaluated with its own settings sits at mteb's
+standard path and ablations under ``experiments/``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,90 +21,26 @@ from mteb.models.model_meta import ScoringFunction
 from mteb.types import PromptType
 
 from diffusion_embedder.evaluation.cache import EmbeddingCache
-from diffusion_embedder.evaluation.tasks import query_instruction, split_max_length
+from diffusion_embedder.evaluation.results import checkpoint_name, model_revision, weights_hash
+from diffusion_embedder.evaluation.tasks import (
+    DEFAULT_MAX_LENGTH_CAP,
+    DEFAULT_QUERY_TEMPLATE,
+    query_instruction,
+    split_max_length,
+)
+from diffusion_embedder.files import read_json_object
 
 logger = logging.getLogger(__name__)
 
-#: How FollowIR's per-query instruction joins the query (upstream and mteb: query first).
-DEFAULT_QUERY_TEMPLATE = "{query} {instruction}"
-#: Where the weights came from, not what they are: never part of the revision.
-PROVENANCE_KEYS = ("base_model_name_or_path", "merged_adapters")
+#: The run's config record, written into every checkpoint and run folder by ``training.checkpoints``.
 TRAIN_CONFIG = "train_config.json"
 PAPER = "https://arxiv.org/abs/2505.15045"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def effective_state(module) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` of the weights the forward pass uses, in name order, one tensor at a time.
-
-    An unmerged LoRA layer is folded into its base weight exactly as ``merge_and_unload`` does (in
-    place, in the base weight's dtype) and named as after merging, so an adapter kept beside its base
-    and the same adapter merged give the same tensors. Only one merged weight exists at a time.
-    """
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # pragma: no cover - peft is a dependency
-        LoraLayer = ()  # noqa: N806
-    state = module.state_dict()
-    lora = {name: sub for name, sub in module.named_modules()
-            if isinstance(sub, LoraLayer) and not getattr(sub, "merged", False)}
-    sources: dict[str, str] = {}  # name after merging -> state_dict key
-    for key in state:
-        owner, sep, _ = key.partition(".lora_")
-        if sep and owner in lora:
-            continue
-        final = key
-        for suffix in (".base_layer.weight", ".base_layer.bias"):
-            if key.endswith(suffix) and key[: -len(suffix)] in lora:
-                final = key[: -len(suffix)] + suffix.replace(".base_layer", "")
-        sources[final.replace("base_model.model.", "", 1)] = key
-    for final in sorted(sources):
-        key = sources[final]
-        tensor = state[key]
-        owner = key[: -len(".base_layer.weight")] if key.endswith(".base_layer.weight") else None
-        if owner in lora:
-            tensor = tensor.clone()
-            for adapter in lora[owner].active_adapters:
-                if adapter in lora[owner].lora_A:
-                    tensor += lora[owner].get_delta_weight(adapter).to(tensor.device)
-        yield final, tensor
-
-
-def weights_hash(module) -> str:
-    """SHA-256 over every effective tensor (name, dtype, shape, bytes), in name order."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in effective_state(module):
-        t = tensor.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
 def encoder_settings(encoder) -> dict:
     config = getattr(encoder, "config", None)
     return dict(config.to_dict()) if config is not None and hasattr(config, "to_dict") else {}
-
-
-def checkpoint_name(path: str) -> str:
-    """``diffusion_embedder/<run>-checkpoint-<N>`` for a training checkpoint, else ``diffusion_embedder/<folder>``.
-
-    Readable, and different for two runs' ``checkpoint-10``; the revision tells apart weights that share a name.
-    """
-    parts = [p for p in os.path.normpath(path).replace("\\", "/").split("/") if p not in ("", ".")]
-    tail = parts[-1] if parts else "model"
-    if re.fullmatch(r"checkpoint-\d+", tail) and len(parts) > 1:
-        tail = f"{parts[-2]}-{tail}"
-    return "diffusion_embedder/" + re.sub(r"[^A-Za-z0-9._-]+", "_", tail)
-
-
-def model_revision(weights: str, settings: dict, overrides: dict | None = None) -> str:
-    """Hash of the weights and of the settings the checkpoint brings (overridden ones are experiment kwargs)."""
-    skip = {*PROVENANCE_KEYS, *(overrides or {})}
-    stable = {k: v for k, v in settings.items() if k not in skip}
-    blob = json.dumps({"weights": weights, "settings": stable}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def training_datasets(*folders: str | None) -> set[str] | None:
@@ -121,15 +52,29 @@ def training_datasets(*folders: str | None) -> set[str] | None:
             path = os.path.join(candidate, TRAIN_CONFIG)
             if os.path.isfile(path):
                 try:
-                    with open(path, encoding="utf-8") as f:
-                        config = json.load(f)
-                except (OSError, json.JSONDecodeError) as e:
-                    logger.warning("%s unreadable (%s): training data left unknown in the model metadata.", path, e)
+                    config = read_json_object(path)
+                except (OSError, ValueError) as e:
+                    logger.warning("%s Training data left unknown in the model metadata.", e)
                     return None
-                data = config.get("data", config) if isinstance(config, dict) else {}
+                data = config.get("data", config)
                 name = data.get("dataset_name") if isinstance(data, dict) else None
                 return {name} if isinstance(name, str) else None
     return None
+
+
+def load_checkpoint(base_model_name_or_path: str, peft_model_name_or_path: str | None = None,
+                    torch_dtype: str | None = None, device: str | None = None, **overrides: Any):
+    """The ``Encoder`` evaluation scores: the base with its adapter (if any) merged, ``overrides`` on its settings."""
+    from diffusion_embedder import Encoder
+
+    return Encoder.from_pretrained(
+        base_model_name_or_path,
+        peft_model_name_or_path=peft_model_name_or_path,
+        merge_peft=peft_model_name_or_path is not None,
+        torch_dtype=torch_dtype,
+        device=device,
+        **overrides,
+    )
 
 
 def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any) -> MTEBEncoder:
@@ -138,21 +83,14 @@ def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any)
     ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
     kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
     """
-    from diffusion_embedder import Encoder
     from diffusion_embedder.config import setting_fields
 
     settings = {f.name for f in setting_fields()}
     overrides = {k: v for k, v in kwargs.items() if k in settings}
-    encoder = Encoder.from_pretrained(
-        kwargs["base_model_name_or_path"],
-        peft_model_name_or_path=kwargs.get("peft_model_name_or_path"),
-        merge_peft=kwargs.get("peft_model_name_or_path") is not None,
-        torch_dtype=kwargs.get("torch_dtype"),
-        device=kwargs.get("device"),
-        **overrides,
-    )
+    encoder = load_checkpoint(kwargs["base_model_name_or_path"], kwargs.get("peft_model_name_or_path"),
+                              kwargs.get("torch_dtype"), kwargs.get("device"), **overrides)
     model = MTEBEncoder(encoder, name=model_name, overrides=overrides,
-                        max_length_cap=kwargs.get("length_cap", 32768),
+                        max_length_cap=kwargs.get("length_cap", DEFAULT_MAX_LENGTH_CAP),
                         source={k: kwargs.get(k) for k in ("base_model_name_or_path", "peft_model_name_or_path")})
     if revision is not None and model.mteb_model_meta.revision != revision:
         logger.warning("%s: the weights loaded now have revision %s, not the recorded %s.",
@@ -178,7 +116,7 @@ class MTEBEncoder(AbsEncoder):
         instructions: dict[str, str] | None = None,
         query_template: str = DEFAULT_QUERY_TEMPLATE,
         cache: EmbeddingCache | None = None,
-        max_length_cap: int = 32768,
+        max_length_cap: int = DEFAULT_MAX_LENGTH_CAP,
         name: str | None = None,
         revision: str | None = None,
         extra_experiment_kwargs: dict[str, Any] | None = None,

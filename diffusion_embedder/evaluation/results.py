@@ -1,0 +1,181 @@
+"""The results ledger: which weights, settings, data and query instruction a stored result belongs to.
+
+A rerun never reuses a result that no longer matches its weights, settings or data. The results
+name is the checkpoint's folder (``checkpoint_name``) and the revision a hash of the weights the
+forward pass uses and of the encoder settings (``model_revision``), so a retrained checkpoint never
+picks up another's scores, and the same weights loaded as base + adapter or as an encoder folder get
+the same revision. ``identity.jsonl`` beside the results records those weights and settings and is
+checked on every run (``check_identity``). A stored result is reused only for the same data (dataset
+revision; for local tasks a hash of their files) and the same query instruction (recorded in
+``query_instructions.jsonl``): ``rescore_reason`` says why one must be scored again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from diffusion_embedder.files import read_json_object
+
+#: Beside the results: the weights and settings they belong to. Not ``*.json``: mteb's ResultCache reads
+#: every ``*.json`` next to ``model_meta.json`` as a task result.
+IDENTITY_FILE = "identity.jsonl"
+#: The identity file of older versions (renamed to ``IDENTITY_FILE`` when met; the report skips it).
+LEGACY_IDENTITY_FILE = "identity.json"
+#: Beside the results: the query instruction each task was scored with, one JSON line per task.
+INSTRUCTIONS_FILE = "query_instructions.jsonl"
+#: Where the weights came from, not what they are: never part of the revision or the identity (a copied
+#: checkpoint, or an adapter loaded beside its base instead of merged, is the same one).
+PROVENANCE_KEYS = ("base_model_name_or_path", "merged_adapters")
+
+
+def effective_state(module) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` of the weights the forward pass uses, in name order, one tensor at a time.
+
+    An unmerged LoRA layer is folded into its base weight exactly as ``merge_and_unload`` does (in
+    place, in the base weight's dtype) and named as after merging, so an adapter kept beside its base
+    and the same adapter merged give the same tensors. Only one merged weight exists at a time.
+    """
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        LoraLayer = ()  # noqa: N806
+    state = module.state_dict()
+    lora = {name: sub for name, sub in module.named_modules()
+            if isinstance(sub, LoraLayer) and not getattr(sub, "merged", False)}
+    sources: dict[str, str] = {}  # name after merging -> state_dict key
+    for key in state:
+        owner, sep, _ = key.partition(".lora_")
+        if sep and owner in lora:
+            continue
+        final = key
+        for suffix in (".base_layer.weight", ".base_layer.bias"):
+            if key.endswith(suffix) and key[: -len(suffix)] in lora:
+                final = key[: -len(suffix)] + suffix.replace(".base_layer", "")
+        sources[final.replace("base_model.model.", "", 1)] = key
+    for final in sorted(sources):
+        key = sources[final]
+        tensor = state[key]
+        owner = key[: -len(".base_layer.weight")] if key.endswith(".base_layer.weight") else None
+        if owner in lora:
+            tensor = tensor.clone()
+            for adapter in lora[owner].active_adapters:
+                if adapter in lora[owner].lora_A:
+                    tensor += lora[owner].get_delta_weight(adapter).to(tensor.device)
+        yield final, tensor
+
+
+def weights_hash(module) -> str:
+    """SHA-256 over every effective tensor (name, dtype, shape, bytes), in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in effective_state(module):
+        t = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}|{t.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def checkpoint_name(path: str) -> str:
+    """``diffusion_embedder/<run>-checkpoint-<N>`` for a training checkpoint, else ``diffusion_embedder/<folder>``.
+
+    Readable, and different for two runs' ``checkpoint-10``; the revision tells apart weights that share a name.
+    """
+    parts = [p for p in os.path.normpath(path).replace("\\", "/").split("/") if p not in ("", ".")]
+    tail = parts[-1] if parts else "model"
+    if re.fullmatch(r"checkpoint-\d+", tail) and len(parts) > 1:
+        tail = f"{parts[-2]}-{tail}"
+    return "diffusion_embedder/" + re.sub(r"[^A-Za-z0-9._-]+", "_", tail)
+
+
+def model_revision(weights: str, settings: dict, overrides: dict | None = None) -> str:
+    """Hash of the weights and of the settings the checkpoint brings (overridden ones are experiment kwargs)."""
+    skip = {*PROVENANCE_KEYS, *(overrides or {})}
+    stable = {k: v for k, v in settings.items() if k not in skip}
+    blob = json.dumps({"weights": weights, "settings": stable}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_identity(results_dir: Path, identity: dict) -> None:
+    """Refuse a results folder written by another checkpoint (same name/revision, different weights)."""
+    path = results_dir / IDENTITY_FILE
+    legacy = results_dir / LEGACY_IDENTITY_FILE
+    if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
+        legacy.rename(path)
+    settings = {k: v for k, v in identity["settings"].items() if k not in PROVENANCE_KEYS}
+    record = {"weights": identity["weights"], "settings": settings}
+    if path.exists():
+        try:
+            stored = read_json_object(path, RuntimeError)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} Delete it to re-record this folder.") from None
+        if stored != json.loads(json.dumps(record, default=str)):
+            raise RuntimeError(
+                f"{results_dir} holds results of another checkpoint (weights {str(stored.get('weights'))[:12]}..., "
+                f"this one {str(identity['weights'])[:12]}...); choose another --output_dir or --revision."
+            )
+        return
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")
+
+
+def stored_instructions(results_dir: Path) -> dict[str, str]:
+    """Task -> query instruction its stored result was scored with; unreadable lines count as no record."""
+    path = results_dir / INSTRUCTIONS_FILE
+    records: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
+                record = json.loads(line)
+                records[str(record["task"])] = str(record["query_instruction"])
+    return records
+
+
+def record_instruction(results_dir: Path, task_name: str, instruction: str) -> None:
+    """Note the instruction ``task_name`` was just scored with (written after its result, replaced atomically)."""
+    records = {**stored_instructions(results_dir), task_name: instruction}
+    path = results_dir / INSTRUCTIONS_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"task": k, "query_instruction": v}) + "\n" for k, v in sorted(records.items())),
+                   encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def rescore_reason(cache, task, meta, instruction: str) -> str | None:
+    """Why the stored result of ``task`` must not be reused (its data or query instruction changed), or None.
+
+    mteb reuses a complete result whatever data it was computed on; the result records the dataset
+    revision (for a local task, the hash of its files), so we compare it with the task's own. The query
+    instruction resolved for the task (from the shipped file, a user file or mteb's prompt, whichever
+    applies) is recorded beside the results and compared too, so an upgrade that changes the shipped
+    instruction scores again. An unreadable result is an error naming the file, never a silent rerun or a
+    crash inside mteb.
+    """
+    from mteb.results import TaskResult
+
+    path = cache.get_task_result_path(task.metadata.name, meta)
+    if not path.is_file():
+        return None
+    try:
+        stored = TaskResult.from_disk(path)
+    except Exception as e:  # noqa: BLE001 - truncated JSON, wrong schema: all mean the same to the user
+        raise ValueError(
+            f"{path}: cannot read this stored result ({type(e).__name__}: {str(e)[:200]}); "
+            f"rerun with --overwrite to score {task.metadata.name} again."
+        ) from None
+    if stored.dataset_revision != task.metadata.revision:
+        return (f"its data changed since {path} was written "
+                f"(dataset revision {stored.dataset_revision} -> {task.metadata.revision})")
+    used = stored_instructions(path.parent).get(task.metadata.name)
+    if used is None:
+        return f"{path.parent / INSTRUCTIONS_FILE} does not record the query instruction {path.name} was scored with"
+    if used != instruction:
+        return f"its query instruction changed since {path} was written ({used!r} -> {instruction!r})"
+    return None
