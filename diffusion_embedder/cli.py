@@ -15,7 +15,7 @@ COMMANDS = {
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
-    "demo": ("diffusion_embedder.demo_launcher", "train and evaluate bidirectional vs causal (from a source checkout)"),
+    "demo": ("diffusion_embedder.demo_launcher", "says how to run the demo (bidirectional vs causal) from a checkout"),
     "export": ("diffusion_embedder.export", "write an encoder as a folder sentence-transformers (or we) load"),
 }
 

@@ -120,7 +120,7 @@ def run_demo(settings: DemoSettings) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=clihelp.prog("demo"), description=__doc__, formatter_class=clihelp.HelpFormatter
+        prog="python experiments/demo.py", description=__doc__, formatter_class=clihelp.HelpFormatter
     )
     parser.add_argument("--output_dir", default="runs/demo", help="checkpoints, results and report go here")
     parser.add_argument("--max_queries", type=int, default=200)

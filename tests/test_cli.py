@@ -27,3 +27,14 @@ def test_dispatch_passes_arguments(capsys):
         cli.main(["report", "--help"])
     assert exit_.value.code == 0
     assert "usage" in capsys.readouterr().out.lower()
+
+
+def test_demo_command_names_the_checkout_script_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """The package never runs experiments/: from a checkout, ``diffusion-embedder demo`` names the command."""
+    from diffusion_embedder import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--output_dir", "out"]) == 1
+    err = capsys.readouterr().err
+    assert "make demo" in err and "experiments/demo.py --output_dir out" in err, err
+    assert not (tmp_path / "out").exists()
