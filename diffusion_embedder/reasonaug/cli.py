@@ -26,7 +26,10 @@ from diffusion_embedder.reasonaug.pipeline import (
     AwaitingBatchOutputs,
     Stage,
     StageConfig,
+    StageOutputMissing,
+    StageReport,
     load_concept_data,
+    read_stage_output,
     run_stage,
 )
 from diffusion_embedder.reasonaug.prompts import render_prompt_card
@@ -35,8 +38,12 @@ from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, bu
 
 #: Exit status of a ``--batch`` stage that wrote its request files and waits for the uploaded batches' outputs.
 EXIT_AWAITING_BATCH = 3
-#: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold).
+#: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold, a stage
+#: run before the stage whose output it reads).
 EXIT_USAGE = 2
+#: Exit status of a live stage some of whose requests got no answer (server unreachable, retries exhausted): the
+#: answers received are kept, and rerunning the same command sends only the requests still unanswered.
+EXIT_REQUESTS_FAILED = 4
 TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
@@ -119,10 +126,21 @@ def _numbered(records: list[dict]) -> list[dict]:
     return [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
 
 
+def _failed_requests_message(report: StageReport, workdir: Path) -> str:
+    return (
+        f"{report.failed} request(s) of the '{report.stage}' stage got no answer after retries; last error: "
+        f"{report.last_error}\nthe answers received so far ({report.sent} in this run, {report.skipped} before) are "
+        f"kept in {workdir}; rerun the same command to send only the requests still unanswered"
+    )
+
+
 def _llm_stage(stage: Stage, args: argparse.Namespace) -> int:
     cfg, client = _stage_config(args), _client(args)
     report = run_stage(stage, load_concepts(args.concepts), cfg, client)
     print(json.dumps(report.as_dict(), indent=2))
+    if report.failed:  # later stages need these answers: stop a script here, not on a missing file further on
+        print(f"error: {_failed_requests_message(report, cfg.workdir)}", file=sys.stderr)
+        return EXIT_REQUESTS_FAILED
     return 0
 
 
@@ -131,7 +149,7 @@ def _triplets(args: argparse.Namespace) -> int:
     data = load_concept_data(cfg, load_concepts(args.concepts))
     generated = []
     if args.with_generated:
-        generated = [r for _, r in read_jsonl(cfg.parsed(STAGES["negatives"].output))]
+        generated = read_stage_output(cfg, "negatives")
     records = _numbered(build_triplets(data, cfg.triplets) + generated)
     print(f"{write_jsonl(args.out, records)} records -> {args.out}")
     if args.heldout_fraction > 0:
@@ -243,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     try:
         return COMMANDS[args.command].run(args)
-    except UsageError as e:
+    except (UsageError, StageOutputMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except AwaitingBatchOutputs as e:

@@ -24,8 +24,8 @@ from diffusion_embedder.reasonaug.concepts import Concept, request_id
 from diffusion_embedder.reasonaug.llm import (
     Completer,
     make_request,
-    read_batch_outputs,
     read_jsonl,
+    read_saved_answers,
     run_with_regeneration,
     select_answer,
     write_batch_requests,
@@ -93,7 +93,8 @@ class StageConfig:
 
 @dataclass
 class StageReport:
-    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again)."""
+    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again), the
+    last of them for ``last_error``."""
 
     stage: str
     requests: int = 0
@@ -105,6 +106,7 @@ class StageReport:
     dropped: int = 0
     rewritten: int = 0
     rejected: int = 0
+    last_error: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +122,14 @@ class AwaitingBatchOutputs(FileNotFoundError):
             + lines
         )
         self.missing = missing
+
+
+class StageOutputMissing(FileNotFoundError):
+    """A stage's input is an earlier stage's parsed output that is not there: that stage has not been run."""
+
+    def __init__(self, path: Path, stage: str):
+        super().__init__(f"{path} not found: run the '{stage}' stage first")
+        self.path, self.stage = path, stage
 
 
 class Ask(NamedTuple):
@@ -191,7 +201,8 @@ def _execute(
         report.sent += run.sent
         report.skipped += run.skipped
         report.failed += len(run.failed)
-    outputs = read_batch_outputs(files.output)
+        report.last_error = run.last_error or report.last_error
+    outputs = read_saved_answers(files.output)  # batch mode: run_stage made sure the downloaded file is there
     for r in requests:
         first = outputs.get(r["custom_id"])
         if first is not None and first.content is not None and not is_valid(first.content):
@@ -237,7 +248,7 @@ def read_stage_output(cfg: StageConfig, name: str) -> list[dict]:
     """The parsed records of stage ``name``; a missing file says which stage to run first."""
     path = cfg.parsed(STAGES[name].output)
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run the '{name}' stage first")
+        raise StageOutputMissing(path, name)
     return [r for _, r in read_jsonl(path)]
 
 
