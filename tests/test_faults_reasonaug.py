@@ -256,6 +256,11 @@ def test_server_down_stops_the_stage_and_the_builder_with_exit_status_4(tmp_path
     err = capsys.readouterr().err
     assert "2 request(s) of the 'definitions' stage got no answer" in err and "Traceback" not in err
     assert not (workdir / "gen_problem_solution").exists()
+    # switching to --batch with that (empty) answer file: the same stop, not every concept silently dropped
+    assert cli.main([*args, "--batch"]) == cli.EXIT_REQUESTS_FAILED
+    err = capsys.readouterr().err
+    assert "instance_definition_output.jsonl has no answer for 2 of the 2 requests" in err
+    assert "run it without --batch to send only the requests still unanswered" in err
     # the server is back: the rerun sends the two failed requests and succeeds
     fake = FakeLLM()
     monkeypatch.setattr(cli, "_client", lambda args: fake)
@@ -289,3 +294,15 @@ def test_a_live_stage_with_nothing_to_ask_reads_no_missing_answer_file(tmp_path)
     report = run_stage("check-problems", load_concepts(write_concepts(tmp_path / "c.jsonl", BASE)), cfg, client)
     assert (report.requests, report.failed, report.kept, client.bodies) == (0, 0, 0, [])
     assert cfg.parsed("checked_pairs").read_text() == ""
+
+
+def test_builder_without_a_split_checks_only_the_files_triplets_wrote(first_run, tmp_path, monkeypatch):
+    """``--heldout-fraction 0`` writes no _train/_heldout files: the contamination step must not look for them."""
+    workdir = tmp_path / "w"
+    shutil.copytree(first_run[0], workdir)
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE)
+    monkeypatch.setenv("REASONAUG_MODEL", "fake")  # the model of the saved answers
+    (tmp_path / "bench.txt").write_text("a benchmark query\n")
+    args = ["--concepts", str(concepts), "--workdir", str(workdir), "--rounds", "2", "--seed", "1", "--batch"]
+    load_builder().main([*args, "--heldout-fraction", "0", "--benchmark", str(tmp_path / "bench.txt")])
+    assert (workdir / "ReasonAug.clean.jsonl").exists() and not list(workdir.glob("ReasonAug_*"))

@@ -126,11 +126,11 @@ def _numbered(records: list[dict]) -> list[dict]:
     return [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
 
 
-def _failed_requests_message(report: StageReport, workdir: Path) -> str:
+def _failed_requests_message(report: StageReport, workdir: Path, batch: bool) -> str:
+    rerun = "run it without --batch" if batch else "rerun the same command"
     return (
-        f"{report.failed} request(s) of the '{report.stage}' stage got no answer after retries; last error: "
-        f"{report.last_error}\nthe answers received so far ({report.sent} in this run, {report.skipped} before) are "
-        f"kept in {workdir}; rerun the same command to send only the requests still unanswered"
+        f"{report.failed} request(s) of the '{report.stage}' stage got no answer; last error: {report.last_error}\n"
+        f"the answers received so far are kept in {workdir}; {rerun} to send only the requests still unanswered"
     )
 
 
@@ -139,7 +139,7 @@ def _llm_stage(stage: Stage, args: argparse.Namespace) -> int:
     report = run_stage(stage, load_concepts(args.concepts), cfg, client)
     print(json.dumps(report.as_dict(), indent=2))
     if report.failed:  # later stages need these answers: stop a script here, not on a missing file further on
-        print(f"error: {_failed_requests_message(report, cfg.workdir)}", file=sys.stderr)
+        print(f"error: {_failed_requests_message(report, cfg.workdir, args.batch)}", file=sys.stderr)
         return EXIT_REQUESTS_FAILED
     return 0
 

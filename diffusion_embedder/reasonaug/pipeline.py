@@ -203,6 +203,14 @@ def _execute(
         report.failed += len(run.failed)
         report.last_error = run.last_error or report.last_error
     outputs = read_saved_answers(files.output)  # batch mode: run_stage made sure the downloaded file is there
+    if client is None:  # a request without an answer in the downloaded file failed, as a live one would
+        unanswered = [r["custom_id"] for r in requests if getattr(outputs.get(r["custom_id"]), "content", None) is None]
+        if unanswered:
+            report.failed += len(unanswered)
+            report.last_error = (
+                f"{files.output} has no answer for {len(unanswered)} of the {len(requests)} requests in "
+                f"{files.input} (first: {unanswered[0]})"
+            )
     for r in requests:
         first = outputs.get(r["custom_id"])
         if first is not None and first.content is not None and not is_valid(first.content):
@@ -221,7 +229,7 @@ def run_stage(stage: Stage | str, concepts: list[Concept], cfg: StageConfig, cli
     items = stage.items(concepts, cfg)
     regenerations = cfg.max_regenerations if stage.regenerate else 0
     batches = [(files, build_requests(stage, items, files.round, cfg)) for files in stage.files(cfg)]
-    missing = [(files.input, files.output) for files, _ in batches if not files.output.exists()]
+    missing = [(files.input, files.output) for files, requests in batches if requests and not files.output.exists()]
     if client is None and missing:  # batch mode: write every request file before asking for answers
         for files, requests in batches:
             write_batch_requests(files.input, requests)

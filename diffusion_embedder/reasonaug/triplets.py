@@ -173,7 +173,6 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
     domain_of = {c.instance: c.domain for c in concepts}
     deduped = {c.instance: _dedup(c.problems, c.solutions) for c in concepts}
 
-    def_index = _Index([c.definition for c in concepts], [c.instance for c in concepts])
     prob_docs, sol_docs, owners = [], [], []
     for c in concepts:
         ps, ss = deduped[c.instance]
@@ -182,6 +181,7 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
         owners += [c.instance] * len(ps)
     if not prob_docs:
         raise ValueError("no problem/solution pairs to build triplets from")
+    def_index = _Index([c.definition for c in concepts], [c.instance for c in concepts])
     prob_index = _Index(prob_docs, owners)
     sol_index = _Index(sol_docs, owners)
 
