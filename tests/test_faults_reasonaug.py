@@ -259,7 +259,7 @@ def test_server_down_stops_the_stage_and_the_builder_with_exit_status_4(tmp_path
     # switching to --batch with that (empty) answer file: the same stop, not every concept silently dropped
     assert cli.main([*args, "--batch"]) == cli.EXIT_REQUESTS_FAILED
     err = capsys.readouterr().err
-    assert "instance_definition_output.jsonl has no answer for 2 of the 2 requests" in err
+    assert "instance_definition_output.jsonl has no answer for 2 of its 2 requests" in err
     assert "run it without --batch to send only the requests still unanswered" in err
     # the server is back: the rerun sends the two failed requests and succeeds
     fake = FakeLLM()

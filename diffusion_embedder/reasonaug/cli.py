@@ -41,8 +41,8 @@ EXIT_AWAITING_BATCH = 3
 #: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold, a stage
 #: run before the stage whose output it reads).
 EXIT_USAGE = 2
-#: Exit status of a live stage some of whose requests got no answer (server unreachable, retries exhausted): the
-#: answers received are kept, and rerunning the same command sends only the requests still unanswered.
+#: Exit status of a stage some of whose requests got no answer (server unreachable, retries exhausted; with
+#: ``--batch``, a downloaded file lacking them): the answers received are kept, and a live rerun sends only the rest.
 EXIT_REQUESTS_FAILED = 4
 TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"

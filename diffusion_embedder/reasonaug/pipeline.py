@@ -93,8 +93,8 @@ class StageConfig:
 
 @dataclass
 class StageReport:
-    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again), the
-    last of them for ``last_error``."""
+    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again) and
+    ``last_error`` says why the last of them got none."""
 
     stage: str
     requests: int = 0
@@ -126,10 +126,6 @@ class AwaitingBatchOutputs(FileNotFoundError):
 
 class StageOutputMissing(FileNotFoundError):
     """A stage's input is an earlier stage's parsed output that is not there: that stage has not been run."""
-
-    def __init__(self, path: Path, stage: str):
-        super().__init__(f"{path} not found: run the '{stage}' stage first")
-        self.path, self.stage = path, stage
 
 
 class Ask(NamedTuple):
@@ -202,15 +198,12 @@ def _execute(
         report.skipped += run.skipped
         report.failed += len(run.failed)
         report.last_error = run.last_error or report.last_error
-    outputs = read_saved_answers(files.output)  # batch mode: run_stage made sure the downloaded file is there
+    outputs = read_saved_answers(files.output)  # batch mode: run_stage made sure it is there if anything is asked
     if client is None:  # a request without an answer in the downloaded file failed, as a live one would
         unanswered = [r["custom_id"] for r in requests if getattr(outputs.get(r["custom_id"]), "content", None) is None]
         if unanswered:
             report.failed += len(unanswered)
-            report.last_error = (
-                f"{files.output} has no answer for {len(unanswered)} of the {len(requests)} requests in "
-                f"{files.input} (first: {unanswered[0]})"
-            )
+            report.last_error = f"{files.output} has no answer for {len(unanswered)} of its {len(requests)} requests"
     for r in requests:
         first = outputs.get(r["custom_id"])
         if first is not None and first.content is not None and not is_valid(first.content):
@@ -256,7 +249,7 @@ def read_stage_output(cfg: StageConfig, name: str) -> list[dict]:
     """The parsed records of stage ``name``; a missing file says which stage to run first."""
     path = cfg.parsed(STAGES[name].output)
     if not path.exists():
-        raise StageOutputMissing(path, name)
+        raise StageOutputMissing(f"{path} not found: run the '{name}' stage first")
     return [r for _, r in read_jsonl(path)]
 
 
