@@ -7,7 +7,9 @@
     python experiments/build_reasonaug.py --concepts my_concepts.jsonl --workdir runs/ra --rounds 8 \
         --heldout-fraction 0.2 --benchmark bench_queries.jsonl
 
-The logic lives in ``diffusion_embedder.reasonaug`` (``python -m diffusion_embedder.reasonaug --help``).
+The logic lives in ``diffusion_embedder.reasonaug`` (``python -m diffusion_embedder.reasonaug --help``). The
+first step that does not finish stops the build with that step's own message and exit status (3: waiting for
+Batch-API outputs; 4: requests that got no answer, e.g. the server is unreachable; rerun the same command).
 """
 
 import argparse
@@ -17,7 +19,14 @@ from diffusion_embedder.reasonaug.cli import main as reasonaug
 from diffusion_embedder.reasonaug.pipeline import STAGES
 
 
-def main() -> None:
+def _run(argv: list[str]) -> None:
+    """One step; a step that did not finish has printed why, and the later steps need its output."""
+    status = reasonaug(argv)
+    if status:
+        raise SystemExit(status)
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rebuild", action="store_true", help="offline rebuild of ReasonAug/ (no LLM)")
     p.add_argument("--concepts", default="ReasonAug/concepts.jsonl")
@@ -28,7 +37,7 @@ def main() -> None:
     p.add_argument("--generated-negatives", action="store_true", help="also run the LLM-written negatives stage")
     p.add_argument("--benchmark", default=None, help="benchmark queries for the contamination check")
     p.add_argument("--batch", action="store_true", help="Batch-API mode: write inputs, parse downloaded outputs")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     if args.rebuild:
         raise SystemExit(reasonaug(["rebuild", "--card", "ReasonAug/README.md"]))
@@ -38,16 +47,15 @@ def main() -> None:
     for stage in STAGES:
         if stage == "negatives" and not args.generated_negatives:
             continue
-        status = reasonaug([stage, *common])
-        if status:  # waiting for Batch-API outputs, or a usage error: later stages need this one's answers
-            raise SystemExit(status)
+        _run([stage, *common])
     out = args.workdir / "ReasonAug.jsonl"
     extra = ["--with-generated"] if args.generated_negatives else []
-    reasonaug(["triplets", *common, "--out", str(out), "--heldout-fraction", str(args.heldout_fraction), *extra])
+    _run(["triplets", *common, "--out", str(out), "--heldout-fraction", str(args.heldout_fraction), *extra])
     if args.benchmark:
-        for name in ("ReasonAug", "ReasonAug_train", "ReasonAug_heldout"):
+        split = ["ReasonAug_train", "ReasonAug_heldout"] if args.heldout_fraction > 0 else []
+        for name in ["ReasonAug", *split]:  # the files ``triplets`` wrote
             src = args.workdir / f"{name}.jsonl"
-            reasonaug(
+            _run(
                 [
                     "contamination",
                     "--input",

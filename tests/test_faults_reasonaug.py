@@ -1,11 +1,15 @@
 """Fault injection, ReasonAug: answers stay with their concepts when the concepts file is edited, duplicates,
-the released files' upstream ids, and the contamination check's and the CLI's bad inputs."""
+the released files' upstream ids, the contamination check's and the CLI's bad inputs, an unreachable server and
+stages run out of order."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
+import re
 import shutil
+import socket
 from collections import Counter
 from pathlib import Path
 
@@ -13,10 +17,11 @@ import pytest
 from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers
 
 from diffusion_embedder.reasonaug import cli, llm
-from diffusion_embedder.reasonaug.concepts import load_concepts
+from diffusion_embedder.reasonaug.concepts import concept_key, load_concepts, request_id
 from diffusion_embedder.reasonaug.contamination import find_contaminated, load_benchmark_queries
 from diffusion_embedder.reasonaug.pipeline import StageConfig, run_stage
 from diffusion_embedder.reasonaug.rebuild import load_generation
+from diffusion_embedder.reasonaug.triplets import ConceptData, build_triplets
 
 ROOT = Path(__file__).resolve().parents[1] / "ReasonAug"
 ROWS = [json.loads(line) for line in (ROOT / "concepts.jsonl").read_text().splitlines()]
@@ -91,6 +96,37 @@ def test_duplicate_concepts_and_ids_name_both_lines(tmp_path):
     write_concepts(path, [BASE[0], {**BASE[1], "custom_id": ""}])
     with pytest.raises(ValueError, match=r"c.jsonl:2: 'custom_id' must be a non-empty string"):
         load_concepts(path)
+
+
+SPELLINGS = [
+    "binary  search",  # two spaces inside
+    "\tBINARY SEARCH\n",  # tab, newline
+    "Binary\u00a0Search",  # no-break space
+    "binary\u3000\u2003search ",  # ideographic and em spaces
+    "\uff22inary \uff33earch",  # full-width letters
+]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_concept_spelt_with_other_case_or_whitespace_is_a_duplicate(tmp_path, spelling):
+    """Same name up to case, every run of (Unicode) whitespace and NFKC compatibility forms: one concept."""
+    path = tmp_path / "c.jsonl"
+    binary = {"domain": "algorithm", "instance": "Binary Search"}
+    write_concepts(path, [BASE[0], binary, BASE[1], {"domain": "algorithm", "instance": spelling}])
+    with pytest.raises(
+        ValueError, match=rf"c.jsonl:4: duplicate concept {re.escape(repr(spelling))} \(first on line 2\)"
+    ):
+        load_concepts(path)
+    names = [ConceptData(name, "algorithm", "coding", "d", ("p",), ("s",)) for name in ("Binary Search", spelling)]
+    with pytest.raises(ValueError, match="listed twice"):  # one concept would be its own hard negative
+        build_triplets(names)
+
+
+def test_ids_keep_the_concept_name_as_written(tmp_path):
+    """Duplicates are found on the normalised name; ids (pinned from before) are not, so saved answers stay theirs."""
+    path = write_concepts(tmp_path / "c.jsonl", [{"domain": "algorithm", "instance": "Binary Search"}])
+    assert load_concepts(path)[0].custom_id == concept_key("algorithm", "Binary Search") == "concept-d43b6e93dad973d7"
+    assert request_id("definition", "algorithm", "Binary Search", 0, {"model": "m"}) == "definition-r0-6599a9cc2787a17c"
 
 
 def test_rebuild_maps_concepts_to_upstream_ids_whatever_their_order(tmp_path):
@@ -179,3 +215,94 @@ def test_live_stage_without_api_key_stops_before_sending(tmp_path, monkeypatch, 
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     assert cli.main(args) == 0
     assert len(posted) == 2 and all(h["Authorization"] == "Bearer sk-test" for h in posted)
+
+
+# ---------------------------------------------------------------- server down, stages out of order
+
+
+@pytest.fixture
+def server_down(monkeypatch):
+    """OPENAI_BASE_URL pointing at a closed localhost port; retries without waiting."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    monkeypatch.setenv("OPENAI_BASE_URL", url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    monkeypatch.setattr(llm.ChatClient, "backoff", lambda self, attempt, headers=None: 0.0)
+    return url
+
+
+def load_builder():
+    spec = importlib.util.spec_from_file_location("build_reasonaug", ROOT.parent / "experiments" / "build_reasonaug.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_server_down_stops_the_stage_and_the_builder_with_exit_status_4(tmp_path, server_down, monkeypatch, capsys):
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE[:2])
+    workdir = tmp_path / "w"
+    args = ["definitions", "--workdir", str(workdir), "--concepts", str(concepts)]
+    assert cli.main(args) == cli.EXIT_REQUESTS_FAILED == 4
+    err = capsys.readouterr().err
+    assert "error: 2 request(s) of the 'definitions' stage got no answer" in err
+    assert f"to reach {server_down}/chat/completions: " in err and "Connection refused" in err
+    assert "are kept in" in err and "rerun the same command to send only the requests still unanswered" in err
+    # the builder stops at the first stage with that stage's message and status, before any later stage runs
+    with pytest.raises(SystemExit) as stop:
+        load_builder().main(["--concepts", str(concepts), "--workdir", str(workdir), "--rounds", "1"])
+    assert stop.value.code == cli.EXIT_REQUESTS_FAILED
+    err = capsys.readouterr().err
+    assert "2 request(s) of the 'definitions' stage got no answer" in err and "Traceback" not in err
+    assert not (workdir / "gen_problem_solution").exists()
+    # switching to --batch with that (empty) answer file: the same stop, not every concept silently dropped
+    assert cli.main([*args, "--batch"]) == cli.EXIT_REQUESTS_FAILED
+    err = capsys.readouterr().err
+    assert "instance_definition_output.jsonl has no answer for 2 of its 2 requests" in err
+    assert "run it without --batch to send only the requests still unanswered" in err
+    # the server is back: the rerun sends the two failed requests and succeeds
+    fake = FakeLLM()
+    monkeypatch.setattr(cli, "_client", lambda args: fake)
+    assert cli.main(args) == 0 and len(fake.bodies) == 2
+
+
+def test_a_stage_run_before_the_stage_it_reads_says_which_to_run_first(first_run, tmp_path, capsys):
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE)
+    common = ["--workdir", str(tmp_path / "empty"), "--concepts", str(concepts), "--batch"]
+    for stage, first in [
+        ("check-problems", "problems"),
+        ("check-solutions", "check-problems"),
+        ("negatives", "definitions"),
+    ]:
+        assert cli.main([stage, *common]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert f"not found: run the '{first}' stage first" in err and "Traceback" not in err
+    workdir = tmp_path / "w"
+    shutil.copytree(first_run[0], workdir)
+    (workdir / "generated_negatives.jsonl").unlink()
+    common = ["--workdir", str(workdir), "--concepts", str(concepts), "--rounds", "2", "--seed", "1", "--batch"]
+    assert cli.main(["triplets", *common, "--out", str(tmp_path / "t.jsonl"), "--with-generated"]) == cli.EXIT_USAGE
+    assert "generated_negatives.jsonl not found: run the 'negatives' stage first" in capsys.readouterr().err
+
+
+def test_a_live_stage_with_nothing_to_ask_reads_no_missing_answer_file(tmp_path):
+    """Every pair failed or was dropped upstream: the check stage asks nothing and finds no answer file."""
+    cfg = StageConfig(tmp_path, model="fake", rounds=1)
+    cfg.parsed("pairs").write_text("")
+    client = FakeLLM()
+    report = run_stage("check-problems", load_concepts(write_concepts(tmp_path / "c.jsonl", BASE)), cfg, client)
+    assert (report.requests, report.failed, report.kept, client.bodies) == (0, 0, 0, [])
+    assert cfg.parsed("checked_pairs").read_text() == ""
+
+
+def test_builder_without_a_split_checks_only_the_files_triplets_wrote(first_run, tmp_path, monkeypatch):
+    """``--heldout-fraction 0`` writes no _train/_heldout files: the contamination step must not look for them."""
+    workdir = tmp_path / "w"
+    shutil.copytree(first_run[0], workdir)
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE)
+    monkeypatch.setenv("REASONAUG_MODEL", "fake")  # the model of the saved answers
+    (tmp_path / "bench.txt").write_text("a benchmark query\n")
+    args = ["--concepts", str(concepts), "--workdir", str(workdir), "--rounds", "2", "--seed", "1", "--batch"]
+    load_builder().main([*args, "--heldout-fraction", "0", "--benchmark", str(tmp_path / "bench.txt")])
+    assert (workdir / "ReasonAug.clean.jsonl").exists() and not list(workdir.glob("ReasonAug_*"))

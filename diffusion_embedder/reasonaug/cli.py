@@ -26,7 +26,10 @@ from diffusion_embedder.reasonaug.pipeline import (
     AwaitingBatchOutputs,
     Stage,
     StageConfig,
+    StageOutputMissing,
+    StageReport,
     load_concept_data,
+    read_stage_output,
     run_stage,
 )
 from diffusion_embedder.reasonaug.prompts import render_prompt_card
@@ -35,8 +38,12 @@ from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, bu
 
 #: Exit status of a ``--batch`` stage that wrote its request files and waits for the uploaded batches' outputs.
 EXIT_AWAITING_BATCH = 3
-#: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold).
+#: Exit status of a usage problem found before anything runs (no API key for a live stage, a bad threshold, a stage
+#: run before the stage whose output it reads).
 EXIT_USAGE = 2
+#: Exit status of a stage some of whose requests got no answer (server unreachable, retries exhausted; with
+#: ``--batch``, a downloaded file lacking them): the answers received are kept, and a live rerun sends only the rest.
+EXIT_REQUESTS_FAILED = 4
 TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
@@ -119,10 +126,21 @@ def _numbered(records: list[dict]) -> list[dict]:
     return [{**r, "id": str(i)} for i, r in enumerate(records, 1)]
 
 
+def _failed_requests_message(report: StageReport, workdir: Path, batch: bool) -> str:
+    rerun = "run it without --batch" if batch else "rerun the same command"
+    return (
+        f"{report.failed} request(s) of the '{report.stage}' stage got no answer; last error: {report.last_error}\n"
+        f"the answers received so far are kept in {workdir}; {rerun} to send only the requests still unanswered"
+    )
+
+
 def _llm_stage(stage: Stage, args: argparse.Namespace) -> int:
     cfg, client = _stage_config(args), _client(args)
     report = run_stage(stage, load_concepts(args.concepts), cfg, client)
     print(json.dumps(report.as_dict(), indent=2))
+    if report.failed:  # later stages need these answers: stop a script here, not on a missing file further on
+        print(f"error: {_failed_requests_message(report, cfg.workdir, args.batch)}", file=sys.stderr)
+        return EXIT_REQUESTS_FAILED
     return 0
 
 
@@ -131,7 +149,7 @@ def _triplets(args: argparse.Namespace) -> int:
     data = load_concept_data(cfg, load_concepts(args.concepts))
     generated = []
     if args.with_generated:
-        generated = [r for _, r in read_jsonl(cfg.parsed(STAGES["negatives"].output))]
+        generated = read_stage_output(cfg, "negatives")
     records = _numbered(build_triplets(data, cfg.triplets) + generated)
     print(f"{write_jsonl(args.out, records)} records -> {args.out}")
     if args.heldout_fraction > 0:
@@ -243,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     try:
         return COMMANDS[args.command].run(args)
-    except UsageError as e:
+    except (UsageError, StageOutputMissing) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except AwaitingBatchOutputs as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,14 +21,24 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")).hexdigest()[:16]
 
 
+def concept_name(instance: str) -> str:
+    """The form in which two concept names are compared: NFKC (a no-break or ideographic space, full-width
+    letters or a ligature pasted from a PDF or web page read as the plain character), case-folded, every run of
+    whitespace (Unicode's too) one space, none at the ends. Ids keep the name as written (see ``request_id``)."""
+    folded = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", instance).casefold())
+    return " ".join(folded.split())
+
+
 def concept_key(domain: str, instance: str) -> str:
-    """The content id of a concept without an explicit ``custom_id``."""
+    """The content id of a concept without an explicit ``custom_id`` (of its name as written, as ``request_id``)."""
     return f"concept-{_digest([domain, instance])}"
 
 
 def request_id(stage: str, domain: str, instance: str, round_: int, body: dict) -> str:
     """``<stage>-r<round>-<digest>``: the digest covers domain, concept, stage, round and the request body, so an
-    answer on disk is only reused for exactly the request that produced it (same prompt, seed draw and model)."""
+    answer on disk is only reused for exactly the request that produced it (same prompt, seed draw and model).
+    The concept enters as written, not as ``concept_name``: the prompt holds it as written anyway, and folding
+    it would change the id, and orphan the saved answers, of every concept not already lower-case."""
     return f"{stage}-r{round_}-{_digest([stage, domain, instance, round_, body])}"
 
 
@@ -48,20 +59,20 @@ def load_concepts(path: str | Path) -> list[Concept]:
 
     ``question_type`` and the difficulty ``references`` default to the upstream tables for the five
     ReasonAug domains; a new domain must give its ``question_type`` (coding, math, physics, finance, ...).
-    A concept listed twice (same name up to case and surrounding spaces) or a ``custom_id`` used twice is an
-    error naming both lines.
+    A concept listed twice (the same ``concept_name``: up to case, Unicode compatibility forms and whitespace) or
+    a ``custom_id`` used twice is an error naming both lines.
     """
     concepts: list[Concept] = []
-    seen_instance: dict[str, int] = {}
+    seen_instance: dict[str, int] = {}  # concept_name -> line
     seen_id: dict[str, int] = {}
     for lineno, r in read_jsonl(path):
         where = f"{path}:{lineno}"
         domain, instance = r.get("domain"), r.get("instance")
         if not isinstance(domain, str) or not domain.strip():
             raise ValueError(f"{where}: 'domain' must be a non-empty string, got {domain!r}")
-        if not isinstance(instance, str) or not instance.strip():
+        if not isinstance(instance, str) or not concept_name(instance):
             raise ValueError(f"{where}: 'instance' must be a non-empty string, got {instance!r}")
-        name = instance.strip().casefold()
+        name = concept_name(instance)
         if name in seen_instance:
             raise ValueError(f"{where}: duplicate concept {instance!r} (first on line {seen_instance[name]})")
         question_type = r.get("question_type") or QUESTION_TYPES.get(domain)

@@ -122,6 +122,11 @@ def read_batch_outputs(path: str | Path) -> dict[str, BatchResult]:
     return {r["custom_id"]: result_from_record(r, f"{path}:{lineno}") for lineno, r in read_jsonl(path)}
 
 
+def read_saved_answers(path: str | Path) -> dict[str, BatchResult]:
+    """The answers a live run has saved so far: none while the file is not there (nothing sent, or all failed)."""
+    return read_batch_outputs(path) if Path(path).exists() else {}
+
+
 def output_record(custom_id: str, completion: dict) -> dict:
     """Wrap a chat.completion object as a Batch-API output line (same shape as OpenAI's batch files)."""
     return {
@@ -248,7 +253,10 @@ class ChatClient:
                     status, resp_headers, payload = await self.transport.post(self._url(), headers, body)
                 except (OSError, TimeoutError) as e:
                     if last:
-                        raise LLMError(f"transport error after {attempt + 1} attempts: {e}") from e
+                        why = getattr(e, "reason", e)  # urllib's URLError wraps the socket error
+                        raise LLMError(
+                            f"transport error after {attempt + 1} attempts to reach {self._url()}: {why}"
+                        ) from e
                     delay = self.backoff(attempt)
                     logger.warning("transport error (%s); retrying in %.1fs", e, delay)
                     await self.sleep(delay)
@@ -289,6 +297,7 @@ class RunReport:
     sent: int = 0
     skipped: int = 0
     failed: list[str] = field(default_factory=list)
+    last_error: str | None = None  # why the last failed request failed
 
 
 async def run_requests_async(client: Completer, requests: list[dict], out_path: str | Path) -> RunReport:
@@ -299,7 +308,7 @@ async def run_requests_async(client: Completer, requests: list[dict], out_path: 
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _repair_tail(out_path)
-    done = set(read_batch_outputs(out_path)) if out_path.exists() else set()
+    done = set(read_saved_answers(out_path))
     todo = [r for r in requests if r["custom_id"] not in done]
     report = RunReport(skipped=len(requests) - len(todo))
     if not todo:
@@ -312,6 +321,7 @@ async def run_requests_async(client: Completer, requests: list[dict], out_path: 
             except LLMError as e:
                 logger.error("%s: request %s failed: %s", out_path.name, req["custom_id"], e)
                 report.failed.append(req["custom_id"])
+                report.last_error = str(e)
                 return
             f.write(json.dumps(output_record(req["custom_id"], completion), ensure_ascii=False) + "\n")
             f.flush()
@@ -348,9 +358,10 @@ def run_with_regeneration(
         total.sent += rep.sent
         total.skipped += rep.skipped
         total.failed += rep.failed
+        total.last_error = rep.last_error or total.last_error
         if n == max_regenerations:
             break
-        outputs = read_batch_outputs(out_path)
+        outputs = read_saved_answers(out_path)
         pending = []
         for req in requests:
             cid = req["custom_id"]

@@ -24,8 +24,8 @@ from diffusion_embedder.reasonaug.concepts import Concept, request_id
 from diffusion_embedder.reasonaug.llm import (
     Completer,
     make_request,
-    read_batch_outputs,
     read_jsonl,
+    read_saved_answers,
     run_with_regeneration,
     select_answer,
     write_batch_requests,
@@ -93,7 +93,8 @@ class StageConfig:
 
 @dataclass
 class StageReport:
-    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again)."""
+    """What a stage did; ``failed`` counts requests that got no answer (the next run sends them again) and
+    ``last_error`` says why the last of them got none."""
 
     stage: str
     requests: int = 0
@@ -105,6 +106,7 @@ class StageReport:
     dropped: int = 0
     rewritten: int = 0
     rejected: int = 0
+    last_error: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +122,10 @@ class AwaitingBatchOutputs(FileNotFoundError):
             + lines
         )
         self.missing = missing
+
+
+class StageOutputMissing(FileNotFoundError):
+    """A stage's input is an earlier stage's parsed output that is not there: that stage has not been run."""
 
 
 class Ask(NamedTuple):
@@ -191,7 +197,13 @@ def _execute(
         report.sent += run.sent
         report.skipped += run.skipped
         report.failed += len(run.failed)
-    outputs = read_batch_outputs(files.output)
+        report.last_error = run.last_error or report.last_error
+    outputs = read_saved_answers(files.output)  # batch mode: run_stage made sure it is there if anything is asked
+    if client is None:  # a request without an answer in the downloaded file failed, as a live one would
+        unanswered = [r["custom_id"] for r in requests if getattr(outputs.get(r["custom_id"]), "content", None) is None]
+        if unanswered:
+            report.failed += len(unanswered)
+            report.last_error = f"{files.output} has no answer for {len(unanswered)} of its {len(requests)} requests"
     for r in requests:
         first = outputs.get(r["custom_id"])
         if first is not None and first.content is not None and not is_valid(first.content):
@@ -210,7 +222,7 @@ def run_stage(stage: Stage | str, concepts: list[Concept], cfg: StageConfig, cli
     items = stage.items(concepts, cfg)
     regenerations = cfg.max_regenerations if stage.regenerate else 0
     batches = [(files, build_requests(stage, items, files.round, cfg)) for files in stage.files(cfg)]
-    missing = [(files.input, files.output) for files, _ in batches if not files.output.exists()]
+    missing = [(files.input, files.output) for files, requests in batches if requests and not files.output.exists()]
     if client is None and missing:  # batch mode: write every request file before asking for answers
         for files, requests in batches:
             write_batch_requests(files.input, requests)
@@ -237,7 +249,7 @@ def read_stage_output(cfg: StageConfig, name: str) -> list[dict]:
     """The parsed records of stage ``name``; a missing file says which stage to run first."""
     path = cfg.parsed(STAGES[name].output)
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run the '{name}' stage first")
+        raise StageOutputMissing(f"{path} not found: run the '{name}' stage first")
     return [r for _, r in read_jsonl(path)]
 
 

@@ -27,6 +27,7 @@ from itertools import permutations
 import bm25s
 import numpy as np
 
+from diffusion_embedder.reasonaug.concepts import concept_name
 from diffusion_embedder.reasonaug.prompts import TASK_TYPES, task_instruction
 
 logger = logging.getLogger(__name__)
@@ -163,12 +164,15 @@ def _pair_query(
 def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = None) -> list[dict]:
     """Build ReasonAug records (schema ``RECORD_FIELDS``) for all concepts, ordered by task then concept."""
     config = config or TripletConfig()
-    if len({c.instance for c in concepts}) != len(concepts):
-        raise ValueError("concept instances must be unique")
+    seen: dict[str, str] = {}
+    for c in concepts:  # two spellings of one concept would be each other's hard negatives
+        name = concept_name(c.instance)
+        if name in seen:
+            raise ValueError(f"concept {c.instance!r} is listed twice (also as {seen[name]!r})")
+        seen[name] = c.instance
     domain_of = {c.instance: c.domain for c in concepts}
     deduped = {c.instance: _dedup(c.problems, c.solutions) for c in concepts}
 
-    def_index = _Index([c.definition for c in concepts], [c.instance for c in concepts])
     prob_docs, sol_docs, owners = [], [], []
     for c in concepts:
         ps, ss = deduped[c.instance]
@@ -177,6 +181,7 @@ def build_triplets(concepts: list[ConceptData], config: TripletConfig | None = N
         owners += [c.instance] * len(ps)
     if not prob_docs:
         raise ValueError("no problem/solution pairs to build triplets from")
+    def_index = _Index([c.definition for c in concepts], [c.instance for c in concepts])
     prob_index = _Index(prob_docs, owners)
     sol_index = _Index(sol_docs, owners)
 
