@@ -44,14 +44,19 @@ def records(kind: str, count: int) -> list[bytes]:
     return [line.encode() + b"\n" for line in lines]
 
 
-#: reader name -> (format of its lines, file suffix, how to read a file)
+#: reader name -> (format of its lines, file suffix, how to read a file, the setting that names the file)
 READERS = {
-    "Custom": ("custom", ".jsonl", lambda path: Custom(path)),
-    "ReasonAug": ("reasonaug", ".jsonl", lambda path: ReasonAug(path)),
-    "read_texts (MNTP .txt)": ("text", ".txt", lambda path: read_texts(train_files=[str(path)])),
-    "read_texts (MNTP .jsonl)": ("custom", ".jsonl", lambda p: read_texts(train_files=[str(p)], text_column="query")),
-    "Wiki1M (SimCSE)": ("text", ".txt", lambda path: Wiki1M(path)),
-    "MSMARCO (datasets)": ("msmarco", ".jsonl", lambda path: MSMARCO(path)),
+    "Custom": ("custom", ".jsonl", lambda path: Custom(path), "dataset_file_path"),
+    "ReasonAug": ("reasonaug", ".jsonl", lambda path: ReasonAug(path), "aug_file_path"),
+    "read_texts (MNTP .txt)": ("text", ".txt", lambda path: read_texts(train_files=[str(path)]), "train_file"),
+    "read_texts (MNTP .jsonl)": (
+        "custom",
+        ".jsonl",
+        lambda path: read_texts(train_files=[str(path)], text_column="query"),
+        "train_file",
+    ),
+    "Wiki1M (SimCSE)": ("text", ".txt", lambda path: Wiki1M(path), "dataset_file_path"),
+    "MSMARCO (datasets)": ("msmarco", ".jsonl", lambda path: MSMARCO(path), "dataset_file_path"),
 }
 #: readers whose files may be gzipped (MSMARCO takes parquet/json/jsonl/csv through datasets)
 GZIP_READERS = [name for name in READERS if not name.startswith("MSMARCO")]
@@ -143,7 +148,7 @@ def test_folder_given_as_a_data_file(tmp_path, reader):
     folder = tmp_path / f"train{READERS[reader][1]}"
     folder.mkdir()
     message = refused(reader, folder, FileNotFoundError)
-    assert "is a folder, not a file" in message
+    assert f"{folder} is a folder, not a file" in message and READERS[reader][3] in message
 
 
 def test_missing_files_are_named_not_sent_to_datasets(tmp_path):
@@ -152,7 +157,8 @@ def test_missing_files_are_named_not_sent_to_datasets(tmp_path):
         (Wiki1M, "wiki1m.txt", "Wiki1M file (dataset_file_path) not found"),
         (MSMARCO, "msmarco.parquet", "MSMARCO data (dataset_file_path) not found"),
         (lambda path: read_texts(train_files=[str(path)]), "mntp.txt", "train_file not found"),
-        (Custom, "custom.jsonl", "data file not found"),
+        (Custom, "custom.jsonl", "dataset_file_path: data file not found"),
+        (ReasonAug, "reasonaug.jsonl.gz", "aug_file_path: data file not found"),
     ]:
         with pytest.raises(FileNotFoundError) as caught:
             read(tmp_path / name)

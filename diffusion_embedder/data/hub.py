@@ -1,4 +1,4 @@
-"""Data read through ``datasets`` (a hub dataset or file, a dataset folder, a glob of files), refused in our words.
+"""Data read through ``datasets`` (a hub dataset or file, a dataset folder): what it cannot load, in our words.
 
 ``datasets`` reports a dataset that is not in the local cache while the hub is out of reach (offline
 mode, no network) as one of several library tracebacks; here it is one ``DatasetUnavailableError``

@@ -80,14 +80,17 @@ def check_fields(record: Any, fields: Iterable[Field]) -> None:
                     )
 
 
-def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[str, int, str | RecordError]]:
-    """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number.
+def iter_jsonl_lines(
+    path: str | os.PathLike, what: str = "data file"
+) -> Iterator[tuple[str, int, str | RecordError]]:
+    """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number. A missing
+    file or a folder is a ``FileNotFoundError`` naming ``what`` (the setting that gave the path).
 
     Read through ``files.iter_lines`` (``.gz`` decompressed on the fly; a damaged gzip or a UTF-16 file
     is a ``DataFormatError`` naming file and line). Lines are decoded one at a time so a bad byte
     sequence is reported on its own line (and can be skipped with ``skip_bad_lines``).
     """
-    check_file(path, "data file")
+    check_file(path, what)
     for number, raw in iter_lines(path, DataFormatError):
         try:
             text: str | RecordError = decode_line(raw, number)
@@ -152,8 +155,9 @@ def read_jsonl(
     *,
     skip_bad_lines: bool = False,
     limit: int | None = None,
+    what: str = "data file",
 ) -> tuple[list[T], int]:
     """``load_records`` over a JSONL file; errors read ``path:line: problem``."""
     return load_records(
-        iter_jsonl_lines(path), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
+        iter_jsonl_lines(path, what), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
     )
