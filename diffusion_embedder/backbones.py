@@ -14,6 +14,7 @@ and its weights are renamed at load; settings Llama cannot express are refused, 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -70,33 +71,68 @@ def _dream_config(raw: dict) -> PretrainedConfig:
     return config
 
 
-#: LLaDA/OLMo settings that Llama's code does not implement, with the only value it can run.
-_LLADA_FIXED = {
-    "block_type": "llama",
-    "activation_type": "silu",
-    "layer_norm_type": "rms",
-    "layer_norm_with_affine": True,
-    "bias_for_layer_norm": False,
-    "attention_layer_norm": False,
-    "input_emb_norm": False,
-    "include_qkv_bias": False,
-    "alibi": False,
-    "rope": True,
-    "scale_logits": False,
-    "residual_dropout": 0.0,
-    "embedding_dropout": 0.0,
-    "rope_scaling": None,
-    "clip_qkv": None,
+#: LLaDA/OLMo settings that Llama's code does not implement: the only value it can run, and the value
+#: LLaDA's code uses when config.json leaves the key out (``configuration_llada.ModelConfig``'s default;
+#: ``rope_scaling`` and ``clip_qkv`` are OLMo keys LLaDA's code never reads, null meaning none).
+_LLADA_FIXED: dict[str, tuple[object, object]] = {
+    "block_type": ("llama", "sequential"),
+    "activation_type": ("silu", "swiglu"),
+    "layer_norm_type": ("rms", "default"),
+    "layer_norm_with_affine": (True, True),
+    "bias_for_layer_norm": (False, None),
+    "attention_layer_norm": (False, False),
+    "input_emb_norm": (False, False),
+    "include_qkv_bias": (False, False),
+    "alibi": (False, False),
+    "rope": (True, False),
+    "scale_logits": (False, False),
+    "residual_dropout": (0.0, 0.1),
+    "embedding_dropout": (0.0, 0.1),
+    "rope_scaling": (None, None),
+    "clip_qkv": (None, None),
 }
+#: Flags LLaDA's code only tests for truth (``if config.rope:``), so an explicit null there means false.
+_LLADA_TRUTH_TESTED = (
+    "layer_norm_with_affine", "attention_layer_norm", "input_emb_norm", "alibi", "rope", "scale_logits"
+)
+
+
+def _llada_reading(raw: dict, key: str) -> tuple[object, str]:
+    """The value LLaDA's own code acts on for ``key``, and how config.json gave it (for the message).
+
+    A missing key takes LLaDA's default. A null reaches LLaDA's code as None: a truth test reads it as
+    false, ``bias_for_layer_norm`` falls back to ``include_bias``, and elsewhere LLaDA's code cannot build
+    a model with it (an unknown block, norm or activation type, ``nn.Dropout(None)``, ``include_bias | None``).
+    """
+    if key in raw:
+        value, given = raw[key], json.dumps(raw[key])
+    else:
+        value = _LLADA_FIXED[key][1]
+        given = f"missing, so LLaDA's default {json.dumps(value)}"
+    if value is not None:
+        return value, given
+    if key in _LLADA_TRUTH_TESTED:
+        return False, f"{given}, which LLaDA's code reads as false"
+    if key == "bias_for_layer_norm":
+        include_bias = bool(raw.get("include_bias"))
+        return include_bias, f"{given}, so include_bias: {json.dumps(include_bias)}"
+    return None, f"{given}, which LLaDA's own code cannot build a model with"
 
 
 def _llada_config(raw: dict) -> PretrainedConfig:
-    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept."""
-    unsupported = {k: raw[k] for k, v in _LLADA_FIXED.items() if k in raw and raw[k] != v and raw[k] is not None}
+    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept.
+
+    A fixed setting is checked as LLaDA's own code reads it (``_llada_reading``), so ``"rope": null`` (no
+    rotary embeddings there) is refused rather than loaded with them.
+    """
+    readings = {key: _llada_reading(raw, key) for key in _LLADA_FIXED}
+    supported = {key: needed for key, (needed, _) in _LLADA_FIXED.items()}
+    unsupported = {k: raw.get(k, "<missing>") for k, (value, _) in readings.items() if value != supported[k]}
     if unsupported:
+        why = "; ".join(f"{k!r} is {readings[k][1]} (Llama runs only {json.dumps(supported[k])})" for k in unsupported)
         raise ValueError(
-            f"LLaDA config.json has settings transformers' Llama does not implement: {unsupported} "
-            f"(supported: {_LLADA_FIXED}); refusing rather than loading a different model."
+            f"LLaDA config.json has settings transformers' Llama does not implement: {unsupported} ({why}) "
+            f"(supported: {supported}); refusing rather than loading a different model."
         )
     d_model, n_heads = raw["d_model"], raw["n_heads"]
     n_kv_heads = raw.get("n_kv_heads") or (1 if raw.get("multi_query_attention") else n_heads)

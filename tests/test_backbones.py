@@ -182,6 +182,52 @@ def test_llada_is_llama_without_remote_code(tmp_path):
         load_config(str(tmp_path))
 
 
+#: LLaDA config edits refused, each as LLaDA's own code reads it (configuration_llada/modeling_llada):
+#: a missing key takes LLaDA's default, a null reaches its code as None.
+LLADA_REFUSED = {
+    "rope null": ({"rope": None}, "'rope' is null, which LLaDA's code reads as false"),  # no rotary embeddings
+    "rope missing": ({"rope": "<drop>"}, "'rope' is missing, so LLaDA's default false"),
+    "block_type null": ({"block_type": None}, "'block_type' is null, which LLaDA's own code cannot build"),
+    "block_type missing": ({"block_type": "<drop>"}, "'block_type' is missing, so LLaDA's default \"sequential\""),
+    "norm affine null": ({"layer_norm_with_affine": None}, "'layer_norm_with_affine' is null, which LLaDA's code"),
+    "qkv bias null": ({"include_qkv_bias": None}, "'include_qkv_bias' is null, which LLaDA's own code cannot"),
+    "dropout missing": ({"residual_dropout": "<drop>"}, "'residual_dropout' is missing, so LLaDA's default 0.1"),
+    "norm bias inherited": ({"bias_for_layer_norm": None, "include_bias": True}, "so include_bias: true"),
+}
+#: Edits that mean what Llama runs: OLMo's "none" keys, flags LLaDA only tests for truth, an inherited bias.
+LLADA_EQUIVALENT = [
+    {"rope_scaling": None, "clip_qkv": None},
+    {"alibi": None, "scale_logits": None, "attention_layer_norm": None, "input_emb_norm": None},
+    {"bias_for_layer_norm": None},
+    {"alibi": "<drop>", "bias_for_layer_norm": "<drop>", "input_emb_norm": "<drop>"},
+]
+
+
+def llada_folder(tmp_path, edits: dict):
+    raw = json.loads((LLADA_FIXTURE / "config.json").read_text())
+    raw.update({k: v for k, v in edits.items() if v != "<drop>"})
+    for key in [k for k, v in edits.items() if v == "<drop>"]:
+        del raw[key]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("case", LLADA_REFUSED)
+def test_llada_settings_are_read_as_llada_reads_null_and_missing_keys(tmp_path, case):
+    """Before, a null skipped the check: ``"rope": null`` loaded with rotary embeddings LLaDA would not apply."""
+    edits, why = LLADA_REFUSED[case]
+    with pytest.raises(ValueError, match="Llama does not implement") as caught:
+        load_config(llada_folder(tmp_path, edits))
+    assert why in str(caught.value)
+
+
+@pytest.mark.parametrize("edits", LLADA_EQUIVALENT)
+def test_llada_nulls_that_mean_the_same_model_load_the_same_config(tmp_path, edits):
+    reference, _ = load_config(str(LLADA_FIXTURE))
+    config, _ = load_config(llada_folder(tmp_path, edits))
+    assert config.to_dict() | {"_name_or_path": ""} == reference.to_dict() | {"_name_or_path": ""}
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_llada_padding_does_not_leak(side):
     """Upstream LLaDA ignores attention_mask; here each padded row equals its unpadded reference."""

@@ -64,7 +64,8 @@ class Custom(ContrastiveDataset):
                 group=instruction,
             )
 
-        samples, bad = read_jsonl(path, _FIELDS, convert, skip_bad_lines=skip_bad_lines)
+        what = "dataset_file_path: data file"
+        samples, bad = read_jsonl(path, _FIELDS, convert, skip_bad_lines=skip_bad_lines, what=what)
         if too_few:
             logger.warning("%s: dropped %d record(s) with fewer than %d negatives", path, too_few, num_negatives)
         super().__init__(samples, name=f"Custom({os.fspath(path)})", num_bad_records=bad)

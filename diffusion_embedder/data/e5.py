@@ -68,6 +68,12 @@ class E5(ContrastiveDataset):
         unknown = [n for n in names if n not in E5_INSTRUCTIONS]
         if unknown:
             raise ValueError(f"unknown E5 dataset(s) {unknown}; known: {', '.join(E5_DATASETS)}")
+        if not os.path.isdir(dataset_dir):
+            what = "is a file" if os.path.exists(dataset_dir) else "not found"
+            raise FileNotFoundError(
+                f"E5 data folder (dataset_file_path) {os.fspath(dataset_dir)}: {what}; name the folder that "
+                "holds <name>.jsonl per dataset (echo-data)"
+            )
         missing = [n for n in names if not os.path.isfile(os.path.join(dataset_dir, f"{n}.jsonl"))]
         if missing:
             raise FileNotFoundError(

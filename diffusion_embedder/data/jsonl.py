@@ -7,13 +7,14 @@ each record, turns a bad one into a ``DataFormatError`` naming where it is and w
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from diffusion_embedder.files import NotTextError, check_file, decode_line, iter_lines
 
 logger = logging.getLogger(__name__)
 
@@ -79,28 +80,25 @@ def check_fields(record: Any, fields: Iterable[Field]) -> None:
                     )
 
 
-def iter_jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[str, int, str | RecordError]]:
-    """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number.
+def iter_jsonl_lines(
+    path: str | os.PathLike, what: str = "data file"
+) -> Iterator[tuple[str, int, str | RecordError]]:
+    """``(location, index, text)`` per non-blank line; ``index`` is the 0-based line number. A missing
+    file or a folder is a ``FileNotFoundError`` naming ``what`` (the setting that gave the path).
 
-    ``.gz`` files are decompressed on the fly. Lines are decoded one at a time so a bad byte
-    sequence is reported on its own line.
+    Read through ``files.iter_lines`` (``.gz`` decompressed on the fly; a damaged gzip or a UTF-16 file
+    is a ``DataFormatError`` naming file and line). Lines are decoded one at a time so a bad byte
+    sequence is reported on its own line (and can be skipped with ``skip_bad_lines``).
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path}")
-    opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        index = -1
+    check_file(path, what)
+    for number, raw in iter_lines(path, DataFormatError):
         try:
-            for index, raw in enumerate(f):
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    text = RecordError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
-                if isinstance(text, str) and not text.strip():
-                    continue
-                yield f"{path}:{index + 1}", index, text
-        except (OSError, EOFError) as e:  # a corrupt or truncated .gz
-            raise DataFormatError(f"{path}:{index + 2}: cannot read the file further ({e})") from None
+            text: str | RecordError = decode_line(raw, number)
+        except NotTextError as e:
+            text = RecordError(str(e))
+        if isinstance(text, str) and not text.strip():
+            continue
+        yield f"{path}:{number}", number - 1, text
 
 
 def load_records(
@@ -157,8 +155,9 @@ def read_jsonl(
     *,
     skip_bad_lines: bool = False,
     limit: int | None = None,
+    what: str = "data file",
 ) -> tuple[list[T], int]:
     """``load_records`` over a JSONL file; errors read ``path:line: problem``."""
     return load_records(
-        iter_jsonl_lines(path), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
+        iter_jsonl_lines(path, what), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
     )

@@ -9,12 +9,16 @@ replacement when too few). The first 16,000 rows, in hub order, are used.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 from collections.abc import Iterator
 
-from .jsonl import Field, RecordError, load_records
+from diffusion_embedder.files import check_file
+
+from .hub import load_with_datasets
+from .jsonl import DataFormatError, Field, RecordError, iter_jsonl_lines, load_records
 from .sample import ContrastiveDataset, TrainSample, train_instruction
 
 logger = logging.getLogger(__name__)
@@ -45,17 +49,68 @@ def passage_text(passage: dict, field: str, position: int) -> str:
     return f"{title} {text}" if title else text
 
 
-def load_hub_or_local(path: str | os.PathLike, split: str):
-    """``datasets.load_dataset`` on a hub name, a data folder, or one parquet/json/jsonl/csv file."""
-    from datasets import load_dataset
+def _looks_local(path: str) -> bool:
+    """A path that cannot be a hub name (``owner/name``): a data-file suffix, absolute, or relative by dots."""
+    suffix = os.path.splitext(path)[1].lower()
+    return suffix in _FILE_BUILDERS or os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
 
+
+def _first_bad_line(path: str, parse: bool) -> str | None:
+    """``path:line: problem`` for the first line that is not UTF-8 text (or, with ``parse``, not JSON), else None."""
+    where = path
+    try:
+        for where, _, text in iter_jsonl_lines(path):
+            if isinstance(text, RecordError):
+                return f"{where}: {text}"
+            if parse:
+                json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+    except DataFormatError as e:
+        return str(e)
+    return None
+
+
+def _innermost(error: BaseException) -> BaseException:
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def load_hub_or_local(path: str | os.PathLike, split: str):
+    """``datasets.load_dataset`` on a hub name, a data folder, or one parquet/json/jsonl/csv file; a file
+    that cannot be read is a ``DataFormatError`` naming it (and its first line that is not UTF-8 text, or
+    for JSON lines not JSON); a hub name that cannot be loaded is a ``DatasetUnavailableError``."""
     path = os.fspath(path)
     suffix = os.path.splitext(path)[1].lower()
     if os.path.isfile(path):
         if suffix not in _FILE_BUILDERS:
             raise ValueError(f"unsupported data file type {suffix!r} for {path}; use one of {sorted(_FILE_BUILDERS)}")
-        return load_dataset(_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
-    return load_dataset(path, split=split)
+        from datasets import load_dataset
+
+        try:
+            return load_dataset(_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
+        except Exception as e:
+            found = None if suffix == ".parquet" else _first_bad_line(path, parse=suffix == ".jsonl")
+            cause = _innermost(e)
+            why = found or f"{path}: cannot be read as a {suffix[1:]} file ({type(cause).__name__}: {cause})"
+            raise DataFormatError(why) from e
+    if not os.path.isdir(path) and _looks_local(path):
+        check_file(path, "MSMARCO data (dataset_file_path)")
+    local = "dataset_file_path: a local copy (a parquet, json, jsonl or csv file, or a folder in the hub layout)"
+    return load_with_datasets(f"MSMARCO data {path!r}", path, split=split, local=local)
+
+
+def _located_rows(rows, path: str, split: str) -> Iterator[tuple[str, int, dict]]:
+    """``(location, index, row)`` per row; text that is not UTF-8 (pyarrow finds it only when a row is read)
+    is a ``DataFormatError`` naming the file's line, or the row."""
+    index = 0
+    try:
+        for index, row in enumerate(rows):
+            yield f"{path} ({split}) row {index}", index, row
+    except UnicodeDecodeError as e:
+        found = _first_bad_line(path, parse=False) if os.path.isfile(path) else None
+        raise DataFormatError(found or f"{path} ({split}) row {index + 1}: not valid UTF-8 text ({e.reason})") from e
 
 
 class MSMARCO(ContrastiveDataset):
@@ -105,9 +160,8 @@ class MSMARCO(ContrastiveDataset):
                 group=instruction,
             )
 
-        def items() -> Iterator[tuple[str, int, dict]]:
-            for i, row in enumerate(rows):
-                yield f"{os.fspath(path)} ({split}) row {i}", i, row
-
-        samples, bad = load_records(items(), _FIELDS, convert, source=os.fspath(path), skip_bad_lines=skip_bad_lines)
+        samples, bad = load_records(
+            _located_rows(rows, os.fspath(path), split), _FIELDS, convert, source=os.fspath(path),
+            skip_bad_lines=skip_bad_lines,
+        )
         super().__init__(samples, name="MSMARCO", num_bad_records=bad)

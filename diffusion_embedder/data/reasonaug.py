@@ -106,7 +106,8 @@ class ReasonAug(ContrastiveDataset):
                 group=instruction,
             )
 
-        samples, bad = read_jsonl(path, _FIELDS, convert, skip_bad_lines=skip_bad_lines)
+        what = "aug_file_path: data file"
+        samples, bad = read_jsonl(path, _FIELDS, convert, skip_bad_lines=skip_bad_lines, what=what)
         if no_negative:
             logger.info("ReasonAug: dropped %d record(s) without a hard negative", no_negative)
         if not samples:

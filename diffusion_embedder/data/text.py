@@ -9,45 +9,41 @@ concatenated and cut into blocks of ``max_seq_length`` tokens (the remainder dro
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
-import os
 import random
 from collections.abc import Iterator, Sequence
 from itertools import chain
 
 import torch
 
+from diffusion_embedder.files import check_file, read_text_lines
+
+from .hub import load_with_datasets
 from .jsonl import DataFormatError
 
 logger = logging.getLogger(__name__)
-
-
-def _open(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
 
 
 def _file_texts(path: str, text_column: str) -> Iterator[str]:
     """Non-blank texts of one local file; a bad JSON line or a missing field names the file and line."""
     stem = path[:-3] if path.endswith(".gz") else path
     is_json = stem.endswith((".jsonl", ".json"))
-    with _open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if not is_json:
-                yield line.rstrip("\n")
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(f"{path}:{number}: not valid JSON ({err.msg})") from err
-            text = record.get(text_column) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataFormatError(f"{path}:{number}: no string field {text_column!r}")
-            if text.strip():
-                yield text
+    for number, line in read_text_lines(path, DataFormatError, "train_file"):
+        if not line.strip():
+            continue
+        if not is_json:
+            yield line
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"{path}:{number}: not valid JSON ({err.msg})") from err
+        text = record.get(text_column) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataFormatError(f"{path}:{number}: no string field {text_column!r}")
+        if text.strip():
+            yield text
 
 
 def read_texts(
@@ -61,16 +57,21 @@ def read_texts(
     if bool(dataset_name) == bool(train_files):
         raise ValueError("give either dataset_name (a hub dataset) or train_file (local files), not both or neither")
     if dataset_name:
-        from datasets import load_dataset
-
-        dataset = load_dataset(dataset_name, dataset_config_name, split=split)
+        config = f" (config {dataset_config_name!r})" if dataset_config_name else ""
+        dataset = load_with_datasets(
+            f"dataset_name {dataset_name!r}{config}",
+            dataset_name,
+            dataset_config_name,
+            split=split,
+            local="train_file (local .txt, .jsonl or .json files, optionally .gz) instead of dataset_name",
+        )
         if text_column not in dataset.column_names:
             raise DataFormatError(f"{dataset_name}: no column {text_column!r} (columns: {dataset.column_names})")
         return [t for t in dataset[text_column] if t and t.strip()]
     texts: list[str] = []
     for path in train_files:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"train_file {path!r} does not exist")
+        check_file(path, "train_file")  # every file before reading the first
+    for path in train_files:
         texts.extend(_file_texts(path, text_column))
     if not texts:
         raise DataFormatError(f"no text in {list(train_files)}")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 
+from diffusion_embedder.files import check_file
+
+from .hub import load_with_datasets
 from .sample import ContrastiveDataset, TrainSample
 from .text import read_texts
 
@@ -16,15 +19,16 @@ WIKI1M_HUB_FILE = "hf://datasets/princeton-nlp/datasets-for-simcse/wiki1m_for_si
 
 
 class Wiki1M(ContrastiveDataset):
-    """One sample per non-blank line of a local file, or of the hub file through ``datasets``."""
+    """One sample per non-blank line of a local file, or of a URL (the hub file) through ``datasets``."""
 
     def __init__(self, path: str | os.PathLike = WIKI1M_HUB_FILE, *, skip_bad_lines: bool = False):
         path = os.fspath(path)
-        if os.path.exists(path):
-            texts = read_texts(train_files=[path])
+        if "://" in path:
+            local = "dataset_file_path: a local copy of the file (one sentence per line)"
+            rows = load_with_datasets(f"Wiki1M file {path!r}", "text", data_files=path, split="train", local=local)
+            texts = [t for t in rows["text"] if t.strip()]
         else:
-            from datasets import load_dataset
-
-            texts = [t for t in load_dataset("text", data_files=path, split="train")["text"] if t.strip()]
+            check_file(path, "Wiki1M file (dataset_file_path)")
+            texts = read_texts(train_files=[path])
         samples = [TrainSample(query=("", t.strip()), positive=("", t.strip()), group="Wiki1M") for t in texts]
         super().__init__(samples, name=f"Wiki1M({path})")

@@ -17,7 +17,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from diffusion_embedder.data.jsonl import Field
-from diffusion_embedder.reasonaug.llm import open_text, read_jsonl
+from diffusion_embedder.files import open_text
+from diffusion_embedder.reasonaug.llm import read_jsonl
 
 logger = logging.getLogger(__name__)
 

@@ -43,14 +43,6 @@ class LLMError(RuntimeError):
 # ---------------------------------------------------------------------------------------------- JSONL
 
 
-def open_text(path: str | Path, mode: str = "rt"):
-    """Open a text file, transparently gunzipping ``*.gz`` (the shipped generation copies are gzipped)."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return gzip.open(path, mode, encoding="utf-8")
-    return open(path, mode.replace("t", ""), encoding="utf-8")
-
-
 def read_jsonl(path: str | Path, fields: Iterable[Field] = ()) -> list[tuple[int, dict]]:
     """``(line_number, record)`` per JSON object, through the package's one JSONL reader
     (``data/jsonl.py``): a broken line, or one lacking a required ``fields`` entry, is a ``DataFormatError``
