@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diffusion_embedder.training import run as run_module
+from diffusion_embedder.training import supervised as run_module
 from diffusion_embedder.training.arguments import (
     ConfigError,
     load_config,
@@ -15,7 +15,7 @@ from diffusion_embedder.training.arguments import (
     read_config_values,
     validate,
 )
-from diffusion_embedder.training.run import experiment_id
+from diffusion_embedder.training.supervised import experiment_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train_configs" / "tiny" / "custom.json"
@@ -131,12 +131,12 @@ def test_experiment_id_matches_upstream_pattern():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("*/*.json")), ids=lambda p: p.stem)
 def test_shipped_configs_validate(path):
-    from diffusion_embedder.training import pretrain, simcse
+    from diffusion_embedder.training import lm, simcse
 
     overrides = ["--bf16", "false"]  # bf16 is refused on a CPU without bf16 support
     if path.parent.name in ("mntp", "mdm", "study") or path.stem in ("mntp", "mdm"):
-        _, training = pretrain.LM_STAGE.validate(
-            pretrain.read_config_values(path, overrides, pretrain.LM_STAGE.classes)
+        _, training = lm.LM_STAGE.validate(
+            lm.read_config_values(path, overrides, lm.LM_STAGE.classes)
         )
         assert training.output_dir
         return

@@ -29,7 +29,8 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diffusion_embedder.files import read_json_object
-from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, default_value
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, default_value
+from diffusion_embedder.training.schema import ConfigError
 
 logger = logging.getLogger(__name__)
 
