@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -177,3 +178,19 @@ def test_paper_configs_carry_section9_hyperparameters():
         cfg = load(name)
         assert cfg.model.enable_bidirectional and cfg.model.pooling_mode == "mean" and cfg.training.seed == 42
         assert cfg.training.report_to == ["tensorboard"] and cfg.custom.lora_dropout == 0.05
+
+
+def test_config_accepts_exactly_the_registered_losses():
+    """``losses.LOSSES`` is the one list of losses: every registered loss validates and builds from a config
+    (its options are config fields), and the config accepts no loss_class that is not registered."""
+    from diffusion_embedder.losses import LOSSES, loss_from_config
+    from diffusion_embedder.training.arguments import CustomArguments
+
+    accepted = next(f for f in dataclasses.fields(CustomArguments) if f.name == "loss_class").metadata["choices"]
+    assert sorted(accepted) == sorted(LOSSES)
+    fields = {f.name for f in dataclasses.fields(CustomArguments)}
+    for name, spec in LOSSES.items():
+        assert set(spec.options.values()) <= fields, name
+        cfg = validate({**MINIMAL, "loss_class": name})
+        assert isinstance(loss_from_config(cfg.custom.loss_class, cfg.custom), spec.loss)
+    assert "loss_class: 'Triplet' is not one of" in errors_of({**MINIMAL, "loss_class": "Triplet"})
