@@ -34,7 +34,7 @@ def worker(batch: int, chunk: int | None, steps: int, max_length: int) -> dict:
     from diffusion_embedder.data import ContrastiveCollator, TrainSample
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.training.arguments import validate
-    from diffusion_embedder.training.model import prepare_encoder
+    from diffusion_embedder.training.supervised import prepare_encoder
     from diffusion_embedder.training.trainer import EncoderTrainer
 
     torch.manual_seed(0)

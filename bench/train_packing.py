@@ -29,7 +29,7 @@ def main() -> None:
     from diffusion_embedder.data import ContrastiveCollator, TrainSample
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.training.arguments import validate
-    from diffusion_embedder.training.model import prepare_encoder
+    from diffusion_embedder.training.supervised import prepare_encoder
     from diffusion_embedder.training.trainer import assemble, text_columns
 
     torch.set_num_threads(args.threads)

@@ -8,10 +8,8 @@ from importlib import import_module
 from diffusion_embedder import __version__, clihelp
 from diffusion_embedder.training.stages import STAGES
 
-COMMANDS = {
-    "train": (STAGES["supervised"].module, STAGES["supervised"].help + " (torchrun for >1 GPU)"),
-    "mntp": (STAGES["mntp"].module, STAGES["mntp"].help),
-    "simcse": (STAGES["simcse"].module, STAGES["simcse"].help),
+#: ``command -> (module with main(argv), help)``: the training stages from their registry, then the rest.
+COMMANDS = {stage.command: (stage.module, stage.help) for stage in STAGES.values()} | {
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),

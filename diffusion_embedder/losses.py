@@ -164,7 +164,7 @@ class LossSpec:
     options: dict[str, str] = field(default_factory=dict)
 
 
-#: ``loss_class`` values; adding a loss is one entry here.
+#: ``loss_class`` values; adding a loss is one entry here (the training config's choices are read from it).
 LOSSES: dict[str, LossSpec] = {
     "HardNegativeNLLLoss": LossSpec(HardNegativeNLLLoss, {"scale": "loss_scale"}),
     "RepllamaLoss": LossSpec(
@@ -174,18 +174,9 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
-def _spec(loss_class: str) -> LossSpec:
-    if loss_class not in LOSSES:
-        raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")
-    return LOSSES[loss_class]
-
-
-def load_loss(loss_class: str, **options):
-    """The loss named ``loss_class``, built with its own constructor ``options``."""
-    return _spec(loss_class).loss(**options)
-
-
 def loss_from_config(loss_class: str, settings: object):
     """The loss named ``loss_class`` with the options it registered, read from a config object's fields."""
-    spec = _spec(loss_class)
+    if loss_class not in LOSSES:
+        raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")
+    spec = LOSSES[loss_class]
     return spec.loss(**{arg: getattr(settings, name) for arg, name in spec.options.items()})

@@ -141,8 +141,27 @@ class MaskedBatch:
     t: torch.Tensor | None = None  # (B,) mask ratios (masked diffusion)
 
 
+class BaseMasker:
+    """``masker(input_ids, attention_mask=None, generator=None) -> MaskedBatch``; without an attention mask
+    every token is real. Subclasses choose and corrupt the positions in ``corrupt``."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> MaskedBatch:
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return self.corrupt(input_ids, attention_mask, generator)
+
+    def corrupt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator | None
+    ) -> MaskedBatch:
+        raise NotImplementedError
+
+
 @dataclass
-class MntpMasker:
+class MntpMasker(BaseMasker):
     """LLM2Vec's MNTP masking: each maskable token chosen with ``mlm_probability``; with the ``default``
     collator 80% of the chosen become the mask token, 10% a random token and 10% stay; with ``all_mask``
     all become the mask token. Position 0 is never chosen (MNTP predicts i from i - 1)."""
@@ -159,13 +178,9 @@ class MntpMasker:
         if not 0 < self.mlm_probability <= 1:
             raise ValueError(f"mlm_probability must be in (0, 1], got {self.mlm_probability}")
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
+    def corrupt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator | None
     ) -> MaskedBatch:
-        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         allowed = maskable(input_ids, attention_mask, never_first=True, special_ids=self.special_ids)
         masked = (_rand(input_ids.shape, input_ids, generator) < self.mlm_probability) & allowed
         corrupted = input_ids.clone()
@@ -182,7 +197,7 @@ class MntpMasker:
 
 
 @dataclass
-class MdmMasker:
+class MdmMasker(BaseMasker):
     """Masked-diffusion forward process: t ~ U(eps, 1) per sequence, each maskable token masked with
     probability t (LLaDA's ``(1 - eps) * u + eps``). ``shift=True`` keeps position 0 unmasked (Dream)."""
 
@@ -195,13 +210,9 @@ class MdmMasker:
         if not 0 < self.eps < 1:
             raise ValueError(f"mdm eps must be in (0, 1), got {self.eps}")
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
+    def corrupt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator | None
     ) -> MaskedBatch:
-        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         t = (1 - self.eps) * _rand((input_ids.shape[0],), input_ids, generator) + self.eps
         allowed = maskable(input_ids, attention_mask, never_first=self.shift, special_ids=self.special_ids)
         masked = (_rand(input_ids.shape, input_ids, generator) < t[:, None]) & allowed
@@ -210,16 +221,12 @@ class MdmMasker:
 
 
 @dataclass
-class ClmMasker:
+class ClmMasker(BaseMasker):
     """The causal LM reads the text as is."""
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
+    def corrupt(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generator: torch.Generator | None
     ) -> MaskedBatch:
-        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         return MaskedBatch(input_ids, input_ids, attention_mask.bool(), attention_mask)
 
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from diffusion_embedder.training.run import main
+from diffusion_embedder.training.stages import STAGES
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(STAGES["supervised"].main(sys.argv[1:]))

@@ -157,7 +157,7 @@ def test_malformed_settings_file_names_the_file(tmp_path):
 
 # ------------------------------------------------------------------ derived fields reach the encoder
 def test_training_model_arguments_are_derived_and_reach_the_encoder():
-    from diffusion_embedder.training.model import prepare_encoder
+    from diffusion_embedder.training.supervised import prepare_encoder
 
     names = {f.name for f in dataclasses.fields(ModelArguments)}
     assert {f.name for f in setting_fields()} <= names

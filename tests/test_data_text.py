@@ -14,7 +14,7 @@ from diffusion_embedder.data import DATASET_READERS, DataFormatError, Wiki1M, lo
 from diffusion_embedder.data.text import TextBlocks, group_into_blocks
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss, loss_from_config
 from diffusion_embedder.training.arguments import validate
-from diffusion_embedder.training.run import build_dataset
+from diffusion_embedder.training.supervised import build_dataset
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

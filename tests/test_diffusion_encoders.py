@@ -121,7 +121,7 @@ def test_evaluation_with_mask_readout(tmp_path, monkeypatch):
 def test_tiny_supervised_run_with_mask_readout(tmp_path, monkeypatch, fixture):
     """train_configs/tiny/mask_readout.json through run.train: the readout setting is trained and saved."""
     from diffusion_embedder.training.arguments import load_config
-    from diffusion_embedder.training.run import train
+    from diffusion_embedder.training.supervised import train
 
     monkeypatch.chdir(ROOT)
     overrides = ["--output_dir", str(tmp_path), "--report_to", "none", "--model_name_or_path", str(fixture)]
@@ -173,12 +173,12 @@ def test_llada_sentence_transformers_export(tmp_path, pooling_mode):
 
 def test_llada_mdm_stage_adapter_merges_into_the_encoder(tmp_path):
     """LLaDA's own objective (masked diffusion, no shift) runs on the LM-head model; its adapter merges."""
-    from diffusion_embedder.training import pretrain
+    from diffusion_embedder.training import lm
 
     tiny = ROOT / "train_configs" / "tiny" / "mntp.json"
     overrides = ["--model_name_or_path", str(LLADA_FIXTURE), "--objective", "mdm", "--mdm_shift", "false",
                  "--max_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path), "--report_to", "none"]
-    assert pretrain.main([str(tiny), *overrides]) == 0
+    assert lm.main([str(tiny), *overrides]) == 0
     (run_dir,) = [p for p in tmp_path.iterdir() if (p / "adapter_config.json").is_file()]
     encoder = Encoder.from_pretrained(str(run_dir), device="cpu")
     assert encoder.config.model_type == "llada" and encoder.config.merged_adapters == (str(run_dir),)

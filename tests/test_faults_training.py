@@ -28,7 +28,8 @@ from diffusion_embedder.training.checkpoints import (
     required_files,
     validate_checkpoint,
 )
-from diffusion_embedder.training.run import build_trainer, fit, start_run, train
+from diffusion_embedder.training.runner import fit
+from diffusion_embedder.training.supervised import build_trainer, start_run, train
 from diffusion_embedder.training.trainer import NonFiniteLossError
 
 #: 16 samples in batches of 4: 4 optimizer steps per epoch, so step 6 lies inside epoch 2.

@@ -6,6 +6,7 @@ import gc
 import math
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss, all_gather_with_grad, load_loss
+from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss, all_gather_with_grad, loss_from_config
 
 D_IN, D = 8, 6
 RANK_SIZES = (3, 5)  # unequal on purpose
@@ -204,6 +205,7 @@ def test_bad_shapes_and_names_are_named():
     with pytest.raises(ValueError, match="needs in_batch_negatives"):
         RepllamaLoss(cross_device_negatives=True)
     with pytest.raises(ValueError, match="Unknown loss_class 'Triplet'"):
-        load_loss("Triplet")
-    assert load_loss("HardNegativeNLLLoss", scale=20.0).scale == 20.0
-    assert load_loss("RepllamaLoss", scale_by_dim=False).scale_by_dim is False
+        loss_from_config("Triplet", SimpleNamespace())
+    assert loss_from_config("HardNegativeNLLLoss", SimpleNamespace(loss_scale=20.0)).scale == 20.0
+    options = SimpleNamespace(scale_by_dim=False, in_batch_negatives=False, cross_device_negatives=False)
+    assert loss_from_config("RepllamaLoss", options).scale_by_dim is False

@@ -7,7 +7,7 @@ from conftest import randomize_lora_b
 from test_training_trainer import PAIRS, assert_same, make_config, make_trainer, step_grads
 
 from diffusion_embedder.data import ContrastiveCollator
-from diffusion_embedder.training import run
+from diffusion_embedder.training import supervised
 from diffusion_embedder.training.arguments import ConfigError
 
 
@@ -36,9 +36,9 @@ def test_pack_length_setting_reaches_the_collator(tmp_path, monkeypatch):
         seen.update(kwargs)
         raise Built
 
-    monkeypatch.setattr(run, "EncoderTrainer", trainer)
+    monkeypatch.setattr(supervised, "EncoderTrainer", trainer)
     with pytest.raises(Built):
-        run.train(make_config(tmp_path, dataset_file_path=str(PAIRS), pack_length=96))
+        supervised.train(make_config(tmp_path, dataset_file_path=str(PAIRS), pack_length=96))
     assert seen["data_collator"].pack_length == 96
     with pytest.raises(ConfigError, match="pack_length: must be >= 1, got 0"):
         make_config(tmp_path, pack_length=0)
@@ -48,7 +48,7 @@ def test_pack_length_setting_reaches_the_collator(tmp_path, monkeypatch):
 
 def test_checkpointing_flag_reaches_the_model_on_either_transformers_spelling(tmp_path):
     """5.23 says activation_checkpointing, 5.17 (the GPU machines) gradient_checkpointing: both reach the model."""
-    from diffusion_embedder.training.model import prepare_encoder
+    from diffusion_embedder.training.supervised import prepare_encoder
 
     cfg = make_config(tmp_path, gradient_checkpointing=True)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)

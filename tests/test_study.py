@@ -11,7 +11,7 @@ import pytest
 from study import heldout_lm_loss, plot, study_table
 from tiny_runs import HELDOUT_SPLIT, TRAIN_SPLIT, corpus_texts, read_jsonl_gz
 
-from diffusion_embedder.training import pretrain
+from diffusion_embedder.training import lm
 
 ROOT = Path(__file__).resolve().parents[1]
 INIT = ROOT / "tests" / "fixtures" / "dream_reference"  # random weights, Dream format, its own BPE
@@ -32,7 +32,7 @@ def pretrained(tmp_path_factory) -> dict[str, Path]:
     folders = {}
     for objective in ("clm", "mdm"):
         args = [str(ROOT / "train_configs" / "study" / "pretrain.json"), *common, "--objective", objective]
-        assert pretrain.main([*args, "--experiment_id", objective]) == 0
+        assert lm.main([*args, "--experiment_id", objective]) == 0
         folders[objective] = out / objective
     return folders
 

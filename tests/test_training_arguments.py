@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from diffusion_embedder.training import run as run_module
+from diffusion_embedder.training import supervised as run_module
 from diffusion_embedder.training.arguments import (
     ConfigError,
     load_config,
@@ -15,7 +16,7 @@ from diffusion_embedder.training.arguments import (
     read_config_values,
     validate,
 )
-from diffusion_embedder.training.run import experiment_id
+from diffusion_embedder.training.supervised import experiment_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "train_configs" / "tiny" / "custom.json"
@@ -131,12 +132,12 @@ def test_experiment_id_matches_upstream_pattern():
 
 @pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("*/*.json")), ids=lambda p: p.stem)
 def test_shipped_configs_validate(path):
-    from diffusion_embedder.training import pretrain, simcse
+    from diffusion_embedder.training import lm, simcse
 
     overrides = ["--bf16", "false"]  # bf16 is refused on a CPU without bf16 support
     if path.parent.name in ("mntp", "mdm", "study") or path.stem in ("mntp", "mdm"):
-        _, training = pretrain.LM_STAGE.validate(
-            pretrain.read_config_values(path, overrides, pretrain.LM_STAGE.classes)
+        _, training = lm.LM_STAGE.validate(
+            lm.read_config_values(path, overrides, lm.LM_STAGE.classes)
         )
         assert training.output_dir
         return
@@ -177,3 +178,19 @@ def test_paper_configs_carry_section9_hyperparameters():
         cfg = load(name)
         assert cfg.model.enable_bidirectional and cfg.model.pooling_mode == "mean" and cfg.training.seed == 42
         assert cfg.training.report_to == ["tensorboard"] and cfg.custom.lora_dropout == 0.05
+
+
+def test_config_accepts_exactly_the_registered_losses():
+    """``losses.LOSSES`` is the one list of losses: every registered loss validates and builds from a config
+    (its options are config fields), and the config accepts no loss_class that is not registered."""
+    from diffusion_embedder.losses import LOSSES, loss_from_config
+    from diffusion_embedder.training.arguments import CustomArguments
+
+    accepted = next(f for f in dataclasses.fields(CustomArguments) if f.name == "loss_class").metadata["choices"]
+    assert sorted(accepted) == sorted(LOSSES)
+    fields = {f.name for f in dataclasses.fields(CustomArguments)}
+    for name, spec in LOSSES.items():
+        assert set(spec.options.values()) <= fields, name
+        cfg = validate({**MINIMAL, "loss_class": name})
+        assert isinstance(loss_from_config(cfg.custom.loss_class, cfg.custom), spec.loss)
+    assert "loss_class: 'Triplet' is not one of" in errors_of({**MINIMAL, "loss_class": "Triplet"})

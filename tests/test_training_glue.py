@@ -21,7 +21,7 @@ from diffusion_embedder.training import trainer as trainer_module
 from diffusion_embedder.training.arguments import load_config
 from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, TRAINABLE_WEIGHTS, required_files
 from diffusion_embedder.training.grad_cache import split_features
-from diffusion_embedder.training.run import build_trainer, start_run, train
+from diffusion_embedder.training.supervised import build_trainer, start_run, train
 from diffusion_embedder.training.trainer import EncoderTrainer, assemble, text_columns
 
 BASE = ["--report_to", "none", "--max_train_samples", "16", "--activation_checkpointing", "false"]

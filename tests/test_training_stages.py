@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder
-from diffusion_embedder.training import pretrain, simcse
+from diffusion_embedder.training import lm, simcse
 from diffusion_embedder.training.arguments import ConfigError
 from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, TRAINABLE_WEIGHTS
 
@@ -34,7 +34,7 @@ def test_lm_stage_config_errors_name_every_field():
     values = lm_values(output_dir="x", objective="mdn", mlm_probability=1.5, lora_r=0, learnig_rate=1e-4)
     del values["model_name_or_path"]
     with pytest.raises(ConfigError) as err:
-        pretrain.LM_STAGE.validate(values)
+        lm.LM_STAGE.validate(values)
     message = str(err.value)
     for expected in (
         "objective: 'mdn' is not one of",
@@ -50,27 +50,27 @@ def test_lm_stage_config_errors_name_every_field():
 def test_lm_stage_refuses_bad_data_choice_before_any_model_loads(tmp_path, caplog):
     config = tmp_path / "c.json"
     config.write_text(json.dumps(lm_values(dataset_name="wikitext", model_name_or_path=str(tmp_path / "nothing"))))
-    assert pretrain.main([str(config), "--output_dir", str(tmp_path / "out")]) == 2
+    assert lm.main([str(config), "--output_dir", str(tmp_path / "out")]) == 2
     assert "either dataset_name (hub) or train_file (local)" in caplog.text
     config.write_text(json.dumps(lm_values(mdm_eps=0.0)))
-    assert pretrain.main([str(config)]) == 2 and "mdm_eps: must be > 0" in caplog.text
+    assert lm.main([str(config)]) == 2 and "mdm_eps: must be > 0" in caplog.text
 
 
 def test_cli_overrides_are_typed_by_the_stage_fields(tmp_path):
-    values = pretrain.read_config_values(
+    values = lm.read_config_values(
         TINY / "mntp.json",
         ["--mlm_probability", "0.5", "--mdm_shift", "false", "--train_file", '["a.txt"]'],
-        pretrain.LM_STAGE.classes,
+        lm.LM_STAGE.classes,
     )
-    args, training = pretrain.LM_STAGE.validate({**values, "output_dir": str(tmp_path)})
+    args, training = lm.LM_STAGE.validate({**values, "output_dir": str(tmp_path)})
     assert (args.mlm_probability, args.mdm_shift, args.train_file) == (0.5, False, ["a.txt"])
     assert training.learning_rate == 0.002
 
 
 @pytest.mark.parametrize(("objective", "causal"), [("mntp", False), ("mdm", False), ("clm", True)])
 def test_attention_follows_the_objective(objective, causal, tmp_path):
-    args, training = pretrain.LM_STAGE.validate(lm_values(objective=objective, output_dir=str(tmp_path)))
-    model = pretrain.build_model(args, pretrain.OBJECTIVES[objective], training)
+    args, training = lm.LM_STAGE.validate(lm_values(objective=objective, output_dir=str(tmp_path)))
+    model = lm.build_model(args, lm.OBJECTIVES[objective], training)
     assert model.lm.config.is_causal is causal
     ids = torch.tensor([[5, 6, 7, 8]])
     changed = ids.clone()
@@ -132,10 +132,10 @@ def test_encoder_merges_the_mntp_adapter(mntp_run):
 
 
 def test_supervised_run_starts_from_the_mntp_output(mntp_run, tmp_path):
-    from diffusion_embedder.training import run
+    from diffusion_embedder.training import supervised
 
     args = [str(TINY / "custom.json"), "--model_name_or_path", str(mntp_run), "--output_dir", str(tmp_path)]
-    assert run.main([*args, "--max_steps", "2", "--save_steps", "2", "--report_to", "none"]) == 0
+    assert supervised.main([*args, "--max_steps", "2", "--save_steps", "2", "--report_to", "none"]) == 0
     encoder = Encoder.from_pretrained(str(tmp_path / "tiny_custom"), device="cpu")
     assert encoder.config.merged_adapters == (str(mntp_run),)
     assert torch.isfinite(encoder.encode(TEXTS, show_progress_bar=False)).all()
@@ -145,12 +145,12 @@ def test_lm_stage_resumes_to_the_same_weights(tmp_path, caplog):
     """In one process: a run stopped at step 2 and resumed ends where the uninterrupted run does; the run
     folder then belongs to that run (a new run stops, ``last`` refuses another objective's checkpoint)."""
     common = ["--max_steps", "4", "--save_steps", "2", "--report_to", "none", "--objective", "mdm"]
-    assert pretrain.main([str(TINY / "mntp.json"), "--output_dir", str(tmp_path / "full"), *common]) == 0
+    assert lm.main([str(TINY / "mntp.json"), "--output_dir", str(tmp_path / "full"), *common]) == 0
     stopped = tmp_path / "resumed"
     args = [str(TINY / "mntp.json"), "--output_dir", str(stopped), *common]
-    assert pretrain.main([*args, "--stop_after_n_steps", "2"]) == 0
+    assert lm.main([*args, "--stop_after_n_steps", "2"]) == 0
     assert sorted(p.name for p in (stopped / "tiny-mntp").glob("checkpoint-*")) == ["checkpoint-2"]
-    assert pretrain.main([*args, "--resume_from_checkpoint", "last"]) == 0
+    assert lm.main([*args, "--resume_from_checkpoint", "last"]) == 0
     full = load_file(tmp_path / "full" / "tiny-mntp" / TRAINABLE_WEIGHTS)
     resumed = load_file(stopped / "tiny-mntp" / TRAINABLE_WEIGHTS)
     assert full.keys() == resumed.keys()
@@ -158,8 +158,8 @@ def test_lm_stage_resumes_to_the_same_weights(tmp_path, caplog):
     assert any(not torch.equal(half[k], full[k]) for k in full)  # steps 3-4 changed the weights
     for name, value in full.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-6, rtol=0, msg=name)
-    assert pretrain.main(args) == 2 and "already holds" in caplog.text and "--overwrite_output_dir" in caplog.text
-    assert pretrain.main([*args, "--objective", "clm", "--resume_from_checkpoint", "last"]) == 2
+    assert lm.main(args) == 2 and "already holds" in caplog.text and "--overwrite_output_dir" in caplog.text
+    assert lm.main([*args, "--objective", "clm", "--resume_from_checkpoint", "last"]) == 2
     assert "objective: 'mdm' there, 'clm' now" in caplog.text
 
 
@@ -170,7 +170,7 @@ def test_simcse_loss_is_hard_negative_nll_on_two_dropout_views(tmp_path):
     from diffusion_embedder.data import ContrastiveCollator, Wiki1M
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.training.arguments import validate
-    from diffusion_embedder.training.model import prepare_encoder
+    from diffusion_embedder.training.supervised import prepare_encoder
     from diffusion_embedder.training.trainer import EncoderTrainer
 
     values = {**json.loads((TINY / "simcse.json").read_text()), "model_name_or_path": str(LLAMA)}

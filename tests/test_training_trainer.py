@@ -15,7 +15,7 @@ from diffusion_embedder.data import ContrastiveCollator, Custom, TrainSample
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
 from diffusion_embedder.training.arguments import validate
 from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, find_last_checkpoint
-from diffusion_embedder.training.model import prepare_encoder
+from diffusion_embedder.training.supervised import prepare_encoder
 from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +214,7 @@ def test_simcse_adapter_is_continued(tmp_path):
 def test_tiny_configs_train_end_to_end(tmp_path, monkeypatch, name):
     """RepllamaLoss on the MSMARCO format (15 negatives) and GradCache on ReasonAug, through run.train."""
     from diffusion_embedder.training.arguments import load_config
-    from diffusion_embedder.training.run import train
+    from diffusion_embedder.training.supervised import train
 
     monkeypatch.chdir(ROOT)  # the configs name repository-relative paths
     config = ROOT / "train_configs" / "tiny" / f"{name}.json"

@@ -1,7 +1,8 @@
 """Checkpoint files of a run: the exact trainable tensors, the config record, the completion marker.
 
-Every checkpoint is an encoder folder (``Encoder.save``) that ``Encoder.from_pretrained`` loads with
-the training-time settings, plus ``trainable.safetensors`` (the exact trainable tensors, for
+Every checkpoint is the stage model's own folder, which ``Encoder.from_pretrained`` loads (an encoder
+folder with the training-time settings from the contrastive stages, the LLM2Vec ``-mntp`` layout from
+the LM stages), plus ``trainable.safetensors`` (the exact trainable tensors, for
 resuming), ``train_config.json`` (the config it was trained with) and, written last,
 ``checkpoint_complete.json``: a checkpoint without that marker was interrupted mid-write and is
 never resumed from. The marker is written only for a checkpoint whose trainable tensors are all
@@ -29,7 +30,8 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from diffusion_embedder.files import read_json_object
-from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, default_value
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, default_value
+from diffusion_embedder.training.schema import ConfigError
 
 logger = logging.getLogger(__name__)
 

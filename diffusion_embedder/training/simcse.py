@@ -10,8 +10,10 @@ MNTP folder (``model_name_or_path: MNTP_OUTPUT``) with a fresh LoRA; name the ru
 
 from __future__ import annotations
 
-from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, ConfigError, read_config_values, validate
-from diffusion_embedder.training.run import run_cli, train
+from diffusion_embedder.training.arguments import SUPERVISED, TrainConfig, read_config_values, validate
+from diffusion_embedder.training.runner import run_cli
+from diffusion_embedder.training.schema import ConfigError
+from diffusion_embedder.training.supervised import train
 
 USAGE = (
     "usage: [torchrun --nproc_per_node=N] experiments/run_simcse.py CONFIG.json [--key value ...]\n"
@@ -21,7 +23,7 @@ USAGE = (
 SIMCSE_DEFAULTS = {"dataset_name": "Wiki1M", "loss_class": "HardNegativeNLLLoss", "num_negatives": 0}
 
 
-def check_simcse(cfg, source: str) -> None:
+def check_simcse(cfg: TrainConfig, source: str) -> None:
     """The two views must differ (dropout) and the loss must be the in-batch InfoNCE."""
     problems = []
     if not cfg.custom.simcse_dropout:
@@ -35,7 +37,7 @@ def check_simcse(cfg, source: str) -> None:
 
 
 def start(argv: list[str]) -> None:
-    values = {**SIMCSE_DEFAULTS, **read_config_values(argv[0], argv[1:], ARGUMENT_CLASSES)}
+    values = {**SIMCSE_DEFAULTS, **read_config_values(argv[0], argv[1:])}
     cfg = validate(values, source=f"config {argv[0]}")
     check_simcse(cfg, f"config {argv[0]}")
     train(cfg)
@@ -43,4 +45,4 @@ def start(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Unsupervised SimCSE from a JSON config."""
-    return run_cli(argv, USAGE, lambda: USAGE, start)
+    return run_cli(argv, USAGE, SUPERVISED, start)

@@ -2,7 +2,7 @@
 
 LLM2Vec's recipe in order: ``mntp`` (or masked-diffusion / causal-LM adaptation, same entry), then
 optionally ``simcse``, then ``supervised`` contrastive training. Adding a stage is one entry here; the
-CLI (``diffusion-embedder <stage>``) and ``experiments/run_<stage>.py`` read it.
+CLI's commands (``diffusion-embedder <command>``) and ``experiments/run_<stage>.py`` read it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,24 @@ from importlib import import_module
 class Stage:
     module: str
     help: str
+    command: str  # its ``diffusion-embedder`` command
 
     def main(self, argv: list[str] | None = None) -> int:
         return int(import_module(self.module).main(argv) or 0)
 
 
 STAGES: dict[str, Stage] = {
-    "supervised": Stage("diffusion_embedder.training.run", "contrastive LoRA training from a JSON config"),
-    "mntp": Stage("diffusion_embedder.training.pretrain", "MNTP, masked-diffusion (mdm) or causal-LM (clm) adaptation"),
-    "simcse": Stage("diffusion_embedder.training.simcse", "unsupervised SimCSE (two dropout views, in-batch InfoNCE)"),
+    "supervised": Stage(
+        "diffusion_embedder.training.supervised",
+        "contrastive LoRA training from a JSON config (torchrun for >1 GPU)",
+        command="train",
+    ),
+    "mntp": Stage(
+        "diffusion_embedder.training.lm", "MNTP, masked-diffusion (mdm) or causal-LM (clm) adaptation", command="mntp"
+    ),
+    "simcse": Stage(
+        "diffusion_embedder.training.simcse",
+        "unsupervised SimCSE (two dropout views, in-batch InfoNCE)",
+        command="simcse",
+    ),
 }

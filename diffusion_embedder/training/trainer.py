@@ -6,7 +6,7 @@ Design points:
 * The data layer already ordered the samples (homogeneous global batches), so the sampler replays
   that order (``HomogeneousSampler``), never a random one.
 * Checkpoint files and their completion marker are described in ``checkpoints.py``; GradCache in
-  ``grad_cache.py``; building the trainable model in ``model.py``.
+  ``grad_cache.py``; building the trainable model in each stage's module (LoRA: ``lora.py``).
 * A NaN or inf loss stops the run before the optimizer step. A checkpoint is written only when every
   trainable tensor is finite, and it is called good (its completion marker written, old checkpoints
   rotated out) only once the next step's loss, computed with exactly its weights, is finite too (the

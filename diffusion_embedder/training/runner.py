@@ -1,10 +1,9 @@
-"""``torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]``.
+"""The run lifecycle every training stage shares: open the run (seed, run folder, the checkpoint to
+resume from, the folder's ownership), fit, and the command-line entry with its exit status.
 
-Order matters: the config is validated first (no model is loaded for a bad config), then the run
-folder and the checkpoint to resume from (``start_run``), then the data is read (a bad line stops
-the run before the model loads), then the encoder is built (``build_trainer``) and trained
-(``fit``). Another stage reuses ``open_run`` and ``fit`` with its own ``RunTrainer`` (a model, a
-collator and a loss).
+Order matters: a stage validates its config first (no model is loaded for a bad config), then opens
+the run (``open_run``: still no model), then reads its data and builds its ``RunTrainer`` (a model, a
+collator and a loss), then trains (``fit``). The stages: ``supervised.py``, ``simcse.py``, ``lm.py``.
 """
 
 from __future__ import annotations
@@ -20,10 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from transformers import TrainingArguments, set_seed
 
-from diffusion_embedder import clihelp
-from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
-from diffusion_embedder.losses import loss_from_config
-from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, CHOICES, ConfigError, TrainConfig, parse_args
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES
 from diffusion_embedder.training.checkpoints import (
     RESUME_MAY_DIFFER,
     TRAIN_CONFIG,
@@ -35,44 +31,28 @@ from diffusion_embedder.training.checkpoints import (
     read_config,
     validate_checkpoint,
 )
-from diffusion_embedder.training.model import prepare_encoder
-from diffusion_embedder.training.trainer import (
-    EncoderTrainer,
-    NonFiniteLossError,
-    RunTrainer,
-    StopAfterNStepsCallback,
-)
+from diffusion_embedder.training.schema import ConfigError, StageSchema
+from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer, StopAfterNStepsCallback
 
 logger = logging.getLogger(__name__)
 
 RESUME_LAST = ("last", "latest", "auto", "true")
-USAGE = (
-    f"usage: {clihelp.prog('train')} CONFIG.json [--key value ...]\n"
-    "   or: torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (see train_configs/);\n"
-    "--key value pairs override the file. LLM2Vec's names max_seq_length and bidirectional are accepted."
-)
 
 
-def help_text() -> str:
-    return USAGE + "\n" + clihelp.fields_help(ARGUMENT_CLASSES[:3], CHOICES)
+def located(name: str | None) -> str | None:
+    """A local folder as an absolute path (so a checkpoint records where its base is, from any working
+    directory); a hub name as given."""
+    return os.path.abspath(name) if name is not None and os.path.isdir(name) else name
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+def model_short_name(name: str) -> str:
+    """The last part of a hub name or folder, as run names use it."""
+    return name.rstrip("/").split("/")[-1]
 
 
-def experiment_id(cfg: TrainConfig) -> str:
-    """Upstream's run name: dataset, model short name, pooling, global batch, length, bidirectional,
-    epochs, seed, warmup, lr and LoRA rank."""
-    t = cfg.training
-    global_batch = t.per_device_train_batch_size * t.world_size * t.gradient_accumulation_steps
-    model = cfg.model.model_name_or_path.rstrip("/").split("/")[-1]
-    return (
-        f"{cfg.data.dataset_name}_train_m-{model}_p-{cfg.model.pooling_mode}_b-{global_batch}"
-        f"_l-{cfg.model.max_length}_bidirectional-{cfg.model.enable_bidirectional}_e-{_number(t.num_train_epochs)}"
-        f"_s-{t.seed}_w-{t.warmup_steps}_lr-{t.learning_rate}_lora_r-{cfg.custom.lora_r}"
-    )
+def global_batch_size(args: TrainingArguments) -> int:
+    """Texts per optimizer step over every process: per device x processes x accumulation steps."""
+    return args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
 
 
 def resolve_resume(
@@ -144,25 +124,6 @@ def claim_run_folder(
             os.remove(record)
 
 
-def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
-    """The reader named in the config with the options it registered; returns it and the negatives per query."""
-    d = cfg.data
-    name = d.dataset_name
-    spec = DATASET_READERS[name]
-    negatives = d.num_negatives if d.num_negatives is not None else spec.negatives
-    if spec.fixed_negatives and negatives > spec.negatives:
-        raise ConfigError(f"num_negatives={negatives}: {name} has {spec.negatives} hard negative(s) per query.")
-    available = {**vars(d), "num_negatives": negatives, "seed": cfg.training.seed}
-    options = {key: available[key] for key in spec.options}
-    path = getattr(d, spec.path_field) or d.dataset_file_path
-    dataset = load_train_dataset(name, path, skip_bad_lines=d.skip_bad_lines, **options)
-    if d.max_train_samples is not None and d.max_train_samples < len(dataset):
-        dataset = ContrastiveDataset(dataset.samples[: d.max_train_samples], dataset.name, dataset.num_bad_records)
-    if dataset.num_bad_records:
-        logger.warning("%s: skipped %d malformed record(s).", name, dataset.num_bad_records)
-    return dataset, negatives
-
-
 def open_run(
     args: TrainingArguments,
     run_id: str,
@@ -188,28 +149,6 @@ def open_run(
     return resume
 
 
-def start_run(cfg: TrainConfig) -> str | None:
-    """``open_run`` for a supervised config."""
-    run_id = cfg.custom.experiment_id or experiment_id(cfg)
-    return open_run(cfg.training, run_id, cfg.values, cfg.custom.overwrite_output_dir)
-
-
-def build_trainer(cfg: TrainConfig) -> EncoderTrainer:
-    """The supervised stage: data, trainable encoder, loss and collator, each from its config fields."""
-    dataset, num_negatives = build_dataset(cfg)
-    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
-    return EncoderTrainer(
-        model=encoder,
-        args=cfg.training,
-        train_dataset=dataset,
-        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=cfg.custom.pack_length),
-        loss_fn=loss_from_config(cfg.custom.loss_class, cfg.custom),
-        grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
-        group_by=cfg.data.group_by,
-        run_config=cfg.values,
-    )
-
-
 def fit(trainer: RunTrainer, resume: str | None, stop_after_n_steps: int | None) -> str:
     """Train (resuming from ``resume``), save the final model at the run folder's root; returns it."""
     if stop_after_n_steps is not None:
@@ -219,31 +158,29 @@ def fit(trainer: RunTrainer, resume: str | None, stop_after_n_steps: int | None)
     return trainer.args.output_dir
 
 
-def train(cfg: TrainConfig) -> str:
-    """Run one supervised training; returns the run folder (its root holds the final encoder)."""
-    resume = start_run(cfg)
-    trainer = build_trainer(cfg)
+def fit_built(build: Callable[[], RunTrainer], resume: str | None, stop_after_n_steps: int | None) -> str:
+    """``fit`` the trainer ``build`` returns, then drop it: DDP's reducer must be gone before the process
+    group is destroyed (gloo aborts otherwise)."""
+    trainer = build()
     try:
-        return fit(trainer, resume, cfg.custom.stop_after_n_steps)
+        return fit(trainer, resume, stop_after_n_steps)
     finally:
-        # DDP's reducer must be gone before the process group is destroyed (gloo aborts otherwise).
         del trainer
         gc.collect()
 
 
-def run_cli(
-    argv: list[str] | None, usage: str, help_text: Callable[[], str], start: Callable[[list[str]], object]
-) -> int:
+def run_cli(argv: list[str] | None, usage: str, schema: StageSchema, start: Callable[[list[str]], object]) -> int:
     """Shared entry of every training stage: exit status 0 on success, 2 for a bad config, 1 for a diverged run.
 
-    ``start`` receives ``[CONFIG.json, --key value ...]`` and runs the stage.
+    ``--help`` prints ``usage`` and the fields of the stage's ``schema``; ``start`` receives
+    ``[CONFIG.json, --key value ...]`` and runs the stage.
     """
     logging.basicConfig(
         format="%(asctime)s - %(name)s - %(levelname)s - %(message)s", datefmt="%Y-%m-%d %H:%M:%S", level=logging.INFO
     )
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(help_text() if argv else usage)
+        print(f"{usage}\n{schema.fields_help()}" if argv else usage)
         return 0 if argv else 2
     try:
         start(argv)
@@ -257,8 +194,3 @@ def run_cli(
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Supervised contrastive training from a JSON config."""
-    return run_cli(argv, USAGE, help_text, lambda args: train(parse_args(args)))

@@ -16,7 +16,6 @@ every weight trains and the folder holds the full weights instead of an adapter.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ from transformers import TrainingArguments
 
 from diffusion_embedder import backbones
 from diffusion_embedder.data import load_text_blocks, read_texts
-from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.objectives import (
     MASK_TOKEN_TYPES,
     MNTP_COLLATORS,
@@ -38,9 +36,22 @@ from diffusion_embedder.objectives import (
     ObjectiveOptions,
     mask_token_for,
 )
-from diffusion_embedder.training.arguments import LORA_TARGETS, ConfigError, StageSchema, read_config_values
-from diffusion_embedder.training.model import enable_checkpointing
-from diffusion_embedder.training.run import fit, open_run, run_cli
+from diffusion_embedder.training.arguments import (
+    BackboneArguments,
+    LoraArguments,
+    RunArguments,
+    read_config_values,
+)
+from diffusion_embedder.training.lora import add_lora, enable_checkpointing, log_trainable
+from diffusion_embedder.training.runner import (
+    fit_built,
+    global_batch_size,
+    located,
+    model_short_name,
+    open_run,
+    run_cli,
+)
+from diffusion_embedder.training.schema import ConfigError, StageSchema
 from diffusion_embedder.training.trainer import RunTrainer
 
 logger = logging.getLogger(__name__)
@@ -53,56 +64,39 @@ USAGE = (
 
 
 @dataclass
-class LMStageArguments:
-    """What an LM stage trains, on which text, with which masking."""
+class LMStageArguments(RunArguments, LoraArguments, BackboneArguments):
+    """What an LM stage trains, on which text, with which masking; backbone, LoRA and run control shared."""
 
-    model_name_or_path: str = field(metadata={"help": "Base checkpoint with its LM head (hub name or folder)."})
-    objective: str = field(default="mntp", metadata={"help": f"One of {tuple(OBJECTIVES)}."})
+    objective: str = field(
+        default="mntp", metadata={"help": "What the stage trains (its masker and loss).", "choices": tuple(OBJECTIVES)}
+    )
     max_seq_length: int = field(default=512, metadata={"help": "Tokens per training block."})
-    torch_dtype: str | None = field(default=None, metadata={"help": "Weights dtype; null = float32."})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel."})
     dataset_name: str | None = field(default=None, metadata={"help": "Hub text dataset (upstream: wikitext)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its config (wikitext-103-raw-v1)."})
     train_file: list[str] | None = field(default=None, metadata={"help": "Local .txt / .jsonl files (.gz ok)."})
     text_column: str = field(default="text", metadata={"help": "Text field of the dataset or JSONL records."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Keep the first N blocks."})
     mlm_probability: float = field(default=0.2, metadata={"help": "MNTP: share of tokens masked."})
-    data_collator_type: str = field(default="default", metadata={"help": f"MNTP: one of {MNTP_COLLATORS}."})
+    data_collator_type: str = field(
+        default="default", metadata={"help": "MNTP: LLM2Vec's masking collator.", "choices": MNTP_COLLATORS}
+    )
     mask_token_type: str = field(
-        default="blank", metadata={"help": f"Mask token when the tokenizer has none: one of {MASK_TOKEN_TYPES}."}
+        default="blank", metadata={"help": "Mask token when the tokenizer has none.", "choices": MASK_TOKEN_TYPES}
     )
     mdm_eps: float = field(default=1e-3, metadata={"help": "MDM: mask ratio t ~ U(eps, 1)."})
     mdm_shift: bool = field(default=True, metadata={"help": "MDM: predict i from i-1 (Dream) or from i (LLaDA)."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha; None = 2 * lora_r (upstream)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(LORA_TARGETS), metadata={"help": "Projections that get LoRA."}
-    )
     full_training: bool = field(default=False, metadata={"help": "Train every weight, no LoRA (small models)."})
-    stop_after_n_steps: int | None = field(default=None, metadata={"help": "Stop (and checkpoint) after N steps."})
-    experiment_id: str | None = field(default=None, metadata={"help": "Run folder name; None = derived id."})
-    overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "Start afresh in a run folder that holds checkpoints (deletes them)."}
-    )
 
 
 LM_STAGE = StageSchema(
     classes=(LMStageArguments, TrainingArguments),
-    choices={
-        "objective": tuple(OBJECTIVES),
-        "data_collator_type": MNTP_COLLATORS,
-        "mask_token_type": MASK_TOKEN_TYPES,
-        "torch_dtype": (None, *TORCH_DTYPES),
-    },
     ranges={"mlm_probability": ((0, False), (1, True)), "mdm_eps": ((0, False), (1, False))},
 )
 
 
 def experiment_id(args: LMStageArguments, t: TrainingArguments) -> str:
-    model = args.model_name_or_path.rstrip("/").split("/")[-1]
-    global_batch = t.per_device_train_batch_size * t.world_size * t.gradient_accumulation_steps
-    return f"{model}-{args.objective}_b-{global_batch}_l-{args.max_seq_length}_s-{t.seed}_lr-{t.learning_rate}"
+    model, batch = model_short_name(args.model_name_or_path), global_batch_size(t)
+    return f"{model}-{args.objective}_b-{batch}_l-{args.max_seq_length}_s-{t.seed}_lr-{t.learning_rate}"
 
 
 class AdaptedLM(nn.Module):
@@ -158,11 +152,7 @@ class AdaptedLM(nn.Module):
 
 def build_model(args: LMStageArguments, objective: Objective, t: TrainingArguments) -> AdaptedLM:
     """The base with its LM head, attention set for the objective, LoRA on the inner model (or all weights)."""
-    from peft import LoraConfig, get_peft_model
-
-    base = (
-        os.path.abspath(args.model_name_or_path) if os.path.isdir(args.model_name_or_path) else args.model_name_or_path
-    )
+    base = located(args.model_name_or_path)
     lm = backbones.load_backbone(
         base,
         enable_bidirectional=objective.bidirectional,
@@ -172,21 +162,12 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
     )
     tokenizer = backbones.load_tokenizer(base)
     if not args.full_training:
-        lora = LoraConfig(
-            r=args.lora_r,
-            lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
-            lora_dropout=args.lora_dropout,
-            target_modules=list(args.lora_target_modules),
-            bias="none",
-            task_type=None,
-        )
-        lm.model = get_peft_model(lm.model, lora)
+        lm.model = add_lora(lm.model, args)
         lm.get_output_embeddings().weight.requires_grad_(False)  # the output is the adapter alone
         for config in lm.model.peft_config.values():
             config.base_model_name_or_path = base
-    enable_checkpointing(lm, t)  # done here, on the inner model
-    trainable = sum(p.numel() for p in lm.parameters() if p.requires_grad)
-    logger.info("Trainable parameters: %d of %d", trainable, sum(p.numel() for p in lm.parameters()))
+    enable_checkpointing(lm, t)  # here: the Trainer would call it on AdaptedLM, which has no such method
+    log_trainable(lm)
     return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training, args.objective)
 
 
@@ -234,42 +215,45 @@ def objective_options(args: LMStageArguments, model: AdaptedLM) -> ObjectiveOpti
     )
 
 
-def train(values: dict[str, Any], source: str = "config") -> str:
-    """Run one LM stage from validated values; returns the run folder (its root holds the final output)."""
-    args, t = LM_STAGE.validate(values, source)
+def data_problems(args: LMStageArguments) -> list[str]:
+    """The LM stage's rule across fields: its text comes from the hub or from local files."""
     if bool(args.dataset_name) == bool(args.train_file):
-        raise ConfigError(
-            f"Invalid {source}: give either dataset_name (hub) or train_file (local), not both or neither"
-        )
+        return ["give either dataset_name (hub) or train_file (local), not both or neither"]
+    return []
+
+
+def train(values: dict[str, Any], source: str = "config") -> str:
+    """Run one LM stage from its config values; returns the run folder (its root holds the final output)."""
+    args, t = LM_STAGE.validate(values, source)
+    problems = data_problems(args)
+    if problems:
+        raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(problems))
     run_id = args.experiment_id or experiment_id(args, t)
     resume = open_run(t, run_id, dict(values), args.overwrite_output_dir, LM_STAGE.classes)
     texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
 
-    objective = OBJECTIVES[args.objective]
-    model = build_model(args, objective, t)
-    dataset = load_text_blocks(
-        model.tokenizer, texts, args.max_seq_length, seed=t.seed, max_blocks=args.max_train_samples
-    )
-    options = objective_options(args, model)
-    trainer = LMStageTrainer(
-        model=model,
-        args=t,
-        train_dataset=dataset,
-        data_collator=stack_blocks,
-        objective=objective,
-        options=options,
-        run_config=dict(values),
-    )
-    try:
-        return fit(trainer, resume, args.stop_after_n_steps)
-    finally:
-        del trainer  # DDP's reducer must go before the process group
-        gc.collect()
+    def build() -> LMStageTrainer:
+        objective = OBJECTIVES[args.objective]
+        model = build_model(args, objective, t)
+        dataset = load_text_blocks(
+            model.tokenizer, texts, args.max_seq_length, seed=t.seed, max_blocks=args.max_train_samples
+        )
+        return LMStageTrainer(
+            model=model,
+            args=t,
+            train_dataset=dataset,
+            data_collator=stack_blocks,
+            objective=objective,
+            options=objective_options(args, model),
+            run_config=dict(values),
+        )
+
+    return fit_built(build, resume, args.stop_after_n_steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     """MNTP / masked-diffusion / causal-LM adaptation from a JSON config."""
-    return run_cli(argv, USAGE, lambda: USAGE, start)
+    return run_cli(argv, USAGE, LM_STAGE, start)
 
 
 def start(argv: list[str]) -> None:

@@ -1,0 +1,64 @@
+"""Making a loaded model trainable, for every stage: LoRA from the shared ``LoraArguments`` (or an
+earlier adapter continued), activation checkpointing, and the trainable-parameter count in the log."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from diffusion_embedder.training.arguments import LoraArguments
+
+logger = logging.getLogger(__name__)
+
+
+def add_lora(model: nn.Module, args: LoraArguments) -> nn.Module:
+    """``model`` wrapped with a fresh LoRA (upstream's: no bias, no task type, ``lora_alpha`` 2r unless given)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=list(args.lora_target_modules),
+        bias="none",
+        task_type=None,
+    )
+    return get_peft_model(model, lora)
+
+
+def continue_adapter(model: nn.Module) -> None:
+    """Train a loaded peft adapter further (no new LoRA): its LoRA tensors trainable, nothing else."""
+    for name, param in model.named_parameters():
+        param.requires_grad = "lora_" in name
+    for config in model.peft_config.values():
+        config.inference_mode = False
+
+
+def enable_checkpointing(model: torch.nn.Module, training_args) -> None:
+    """Turn on activation checkpointing on ``model`` if the arguments ask for it, then clear the flag (the
+    Trainer would call it on the outer model, which may have no such method).
+
+    transformers 5.23 names it ``activation_checkpointing``; 5.17 (on the GPU machines) only knows
+    ``gradient_checkpointing``: both spellings are read, and the model's own method is used.
+    """
+    enabled = getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing
+    if not enabled:
+        return
+    user = (getattr(training_args, "activation_checkpointing_kwargs", None)
+            or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})
+    kwargs = {"use_reentrant": False, **user}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    training_args.gradient_checkpointing = False
+    if hasattr(training_args, "activation_checkpointing"):
+        training_args.activation_checkpointing = False
+
+
+def log_trainable(model: nn.Module) -> None:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("Trainable parameters: %d of %d (%.3f%%)", trainable, total, 100 * trainable / max(total, 1))

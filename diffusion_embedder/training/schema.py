@@ -1,0 +1,236 @@
+"""The one validator of every training stage's config (supervised, SimCSE, MNTP / MDM / CLM).
+
+A stage's config is one flat JSON object: the fields of the stage's argument dataclasses, then
+Hugging Face ``TrainingArguments``. ``StageSchema`` checks it before any model loads and reports
+every problem at once, each naming the field: an unknown key (with the closest valid one), a value
+of the wrong type (with the expected type), a value outside its choices, a missing required field,
+a number outside its range. What it checks is read from the fields themselves: their types, their
+defaults (no default: required), ``metadata["choices"]``, ``metadata["alias"]`` (an upstream name
+also accepted) and ``metadata["setting"]`` (an ``EncoderConfig`` setting, checked by its rules).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from diffusion_embedder.clihelp import fields_help
+from diffusion_embedder.config import matches_type, value_problem
+
+
+class ConfigError(ValueError):
+    """A training config that cannot run; the message lists every problem found."""
+
+
+#: Defaults that differ from TrainingArguments' (our datasets are not `datasets.Dataset`s).
+TRAINING_DEFAULTS = {"remove_unused_columns": False}
+#: TrainingArguments fields a stage cannot run without: missing when absent or null.
+REQUIRED_TRAINING = ("output_dir",)
+#: Numeric ranges checked with the rest of the config, before any model loads: ``(low, high)`` bounds,
+#: each ``(value, inclusive)`` or None. A stage adds its own (``StageSchema.ranges``).
+RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] = {
+    "per_device_train_batch_size": ((1, True), None),
+    "gradient_accumulation_steps": ((1, True), None),
+    "lora_r": ((1, True), None),
+    "lora_alpha": ((0, False), None),
+    "lora_dropout": ((0, True), (1, False)),
+    "learning_rate": ((0, False), None),
+    "max_seq_length": ((1, True), None),  # the LM stages' block length (supervised: EncoderConfig's max_length)
+    "grad_cache_chunk_size": ((1, True), None),
+    "pack_length": ((1, True), None),
+    "stop_after_n_steps": ((1, True), None),
+    "num_negatives": ((0, True), None),
+    "max_train_samples": ((1, True), None),
+    "loss_scale": ((0, False), None),
+    "num_train_epochs": ((0, False), None),
+    "warmup_steps": ((0, True), None),
+    "warmup_ratio": ((0, True), (1, True)),
+    "weight_decay": ((0, True), None),
+    "max_grad_norm": ((0, True), None),
+    "adam_epsilon": ((0, False), None),
+    "adam_beta1": ((0, True), (1, False)),
+    "adam_beta2": ((0, True), (1, False)),
+    "save_steps": ((0, False), None),
+    "logging_steps": ((0, False), None),
+    "save_total_limit": ((1, True), None),
+    "seed": ((0, True), None),
+    "dataloader_num_workers": ((0, True), None),
+}
+_NO_EVAL = "there is no evaluation during training yet; evaluate checkpoints with `diffusion-embedder eval`"
+#: Settings we accept in the config but cannot honour yet: the only value allowed, and why.
+UNSUPPORTED = {"eval_strategy": ("no", _NO_EVAL), "do_eval": (False, _NO_EVAL)}
+
+#: A config key's owner: (argument class, dataclass field, resolved type).
+FieldEntry = tuple[type, dataclasses.Field, Any]
+
+
+def range_errors(values: dict[str, Any], ranges: dict[str, tuple] = RANGES) -> list[str]:
+    """One message per numeric value outside its range, or unsupported setting, naming the field."""
+    errors = []
+    for name, (low, high) in ranges.items():
+        value = values.get(name)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            continue
+        if low is not None and (value < low[0] or (value == low[0] and not low[1])):
+            errors.append(f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}")
+        if high is not None and (value > high[0] or (value == high[0] and not high[1])):
+            errors.append(f"{name}: must be {'<=' if high[1] else '<'} {high[0]}, got {value}")
+    max_steps = values.get("max_steps")
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps != -1 and max_steps < 1:
+        errors.append(f"max_steps: must be >= 1 (or -1 to train num_train_epochs), got {max_steps}")
+    for name, (allowed, why) in UNSUPPORTED.items():
+        if name in values and values[name] != allowed:
+            errors.append(f"{name}: {values[name]!r} is not supported ({why}); leave it at {allowed!r}")
+    return errors
+
+
+def _runtime_defaults() -> dict[str, Any]:
+    """Under torchrun without CUDA, accelerate only forms the gloo process group with ``use_cpu``."""
+    import torch
+
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return {"use_cpu": True}
+    return {}
+
+
+def argument_fields(cls: type) -> dict[str, dataclasses.Field]:
+    """The fields a config may set (TrainingArguments' private and non-init fields are not)."""
+    return {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
+
+
+def field_table(classes: tuple[type, ...]) -> dict[str, FieldEntry]:
+    """Every config key of ``classes``; a key two classes share belongs to the first."""
+    table: dict[str, FieldEntry] = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for name, f in argument_fields(cls).items():
+            table.setdefault(name, (cls, f, hints[name]))
+    return table
+
+
+def field_aliases(classes: tuple[type, ...]) -> dict[str, str]:
+    """``alias -> field``: the upstream names the fields of ``classes`` also accept."""
+    return {f.metadata["alias"]: name for name, (_, f, _) in field_table(classes).items() if f.metadata.get("alias")}
+
+
+def field_choices(classes: tuple[type, ...]) -> dict[str, tuple]:
+    """``field -> allowed values`` of every field of ``classes`` with fixed choices."""
+    table = field_table(classes)
+    return {name: f.metadata["choices"] for name, (_, f, _) in table.items() if f.metadata.get("choices")}
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A field's default (an enum as its value), or None for a required field."""
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return None
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def type_text(tp: Any) -> str:
+    """A field type as error messages name it (``int or null``, ``'a' or 'b'``, ``one of [...]``)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(type_text(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return f"one of {[m.value for m in tp]}"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _enum_choices(tp: Any) -> list[str] | None:
+    """Allowed strings of an ``Enum | str`` field (e.g. lr_scheduler_type), so a typo is caught early."""
+    for arg in typing.get_args(tp):
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return [m.value for m in arg]
+    return None
+
+
+def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[str]:
+    """Unknown keys (with the closest valid one), wrong types, values outside their choices, and the
+    ``EncoderConfig`` rules of a setting without choices."""
+    errors: list[str] = []
+    for key, value in values.items():
+        if key not in table:
+            close = difflib.get_close_matches(key, table, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            errors.append(f"unknown key {key!r}{hint}")
+            continue
+        _, f, tp = table[key]
+        if not matches_type(value, tp):
+            errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {type_text(tp)}")
+            continue
+        allowed = f.metadata.get("choices") or (_enum_choices(tp) if isinstance(value, str) else None)
+        if allowed is not None and value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed if a is not None], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            errors.append(f"{key}: {value!r} is not one of {list(allowed)}{hint}")
+        elif allowed is None and f.metadata.get("setting"):
+            errors += [problem for problem in [value_problem(key, value)] if problem]
+    return errors
+
+
+@dataclass(frozen=True)
+class StageSchema:
+    """A stage's config: its argument ``classes`` (``TrainingArguments`` last) and its own numeric
+    ``ranges`` (added to ``RANGES``)."""
+
+    classes: tuple[type, ...]
+    ranges: dict[str, tuple] = field(default_factory=dict)
+
+    def fields_help(self) -> str:
+        """``--help``: one line per field of the stage's own classes (type, default, choices, help)."""
+        return fields_help(self.classes[:-1])
+
+    def canonical(self, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """Upstream names (``metadata["alias"]``) renamed to ours; giving both names of one setting is an error."""
+        values, errors = dict(values), []
+        for alias, name in field_aliases(self.classes).items():
+            if alias in values:
+                if name in values:
+                    errors.append(f"{alias} and {name} are the same setting; give one")
+                values[name] = values.pop(alias)
+        return values, errors
+
+    def problems(self, values: dict[str, Any]) -> list[str]:
+        """Every problem of canonical ``values``, each naming its field."""
+        table = field_table(self.classes)
+        errors = _value_errors(values, table)
+        for cls in self.classes[:-1]:
+            for name, f in argument_fields(cls).items():
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in values:
+                    errors.append(f"missing required field {name!r} ({cls.__name__})")
+        for name in REQUIRED_TRAINING:
+            if values.get(name) is None:
+                errors.append(f"missing required field {name!r} (TrainingArguments)")
+        return errors + range_errors(values, {**RANGES, **self.ranges})
+
+    def validate(self, values: dict[str, Any], source: str = "config") -> list[Any]:
+        """The argument objects, one per class, or a ``ConfigError`` listing every problem."""
+        return self.resolve(values, source)[1]
+
+    def resolve(self, values: dict[str, Any], source: str = "config") -> tuple[dict[str, Any], list[Any]]:
+        """``validate``, also returning the values under their canonical names (the run's config record)."""
+        values, errors = self.canonical(values)
+        errors += self.problems(values)
+        if errors:
+            raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(errors))
+        table = field_table(self.classes)
+        groups: dict[type, dict[str, Any]] = {cls: {} for cls in self.classes}
+        for key, value in {**TRAINING_DEFAULTS, **_runtime_defaults(), **values}.items():
+            groups[table[key][0]][key] = value
+        try:
+            return values, [cls(**groups[cls]) for cls in self.classes]
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"Invalid training {source}: {err}") from err
