@@ -238,6 +238,36 @@ def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
     assert fixed.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
 
 
+def test_report_check_names_what_mteb_result_cache_cannot_read(tmp_path, capsys):
+    """The README sends users to mteb's ResultCache, which raises a bare JSONDecodeError on a truncated result:
+    ``report --check`` names every such file first (exit 1), and says so when all read (exit 0)."""
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    evaluate(folder, out)
+    assert report.main([str(out), "--check"]) == 0
+    assert "Every result file reads" in capsys.readouterr().out
+    result = next(out.rglob(f"{TASK}.json"))
+    result.write_text(result.read_text()[:40])
+    import mteb
+
+    with pytest.raises(json.JSONDecodeError):  # the premise: mteb's own reader does not name the file
+        mteb.ResultCache(cache_path=str(out)).load_results()
+    assert report.main([str(out), "--check", "--out_dir", str(tmp_path / "rep")]) == 1
+    printed = capsys.readouterr().out
+    assert str(result) in printed and "--overwrite" in printed and "1 unreadable" in printed
+    assert not (tmp_path / "rep").exists()
+
+
+def test_report_names_a_folder_without_results_and_writes_nothing(tmp_path, capsys):
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    evaluate(folder, out)
+    empty = tmp_path / "not_evaluated"
+    empty.mkdir()
+    assert report.main([str(out), str(empty), "--out_dir", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err
+    assert str(empty) in err and "no evaluation results" in err and "Traceback" not in err
+    assert not (tmp_path / "rep").exists()
+
+
 def test_a_damaged_model_meta_names_the_file(tmp_path):
     folder = tmp_path / "results" / "m" / "r"
     folder.mkdir(parents=True)

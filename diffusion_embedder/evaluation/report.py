@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,6 +164,32 @@ def _read_result(file: Path):
         ) from None
 
 
+def model_folders(path: str) -> list[Path]:
+    """Every model folder (one holding ``model_meta.json``) under ``path``."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"Results path {path!r} does not exist.")
+    return sorted(p.parent for p in Path(path).rglob("model_meta.json"))
+
+
+def result_files(folder: Path) -> list[Path]:
+    """The task result files of one model folder: what mteb's ``ResultCache`` reads there."""
+    return [file for file in sorted(folder.glob("*.json")) if file.name not in SKIP_FILES]
+
+
+def check_results(paths: list[str]) -> list[str]:
+    """One line per file under ``paths`` that mteb's ``ResultCache`` could not read (truncated, not a result),
+    naming it and the fix; empty when every file reads."""
+    problems = []
+    for path in paths:
+        for folder in model_folders(path):
+            for file in [folder / "model_meta.json", *result_files(folder)]:
+                try:
+                    _model_label(folder) if file.name == "model_meta.json" else _read_result(file)
+                except ValueError as e:
+                    problems.append(str(e))
+    return problems
+
+
 def _same_result(a, b) -> bool:
     """The same scores on the same data (a copied folder), whatever the run time."""
     def scores(result) -> str:  # JSON text, so that NaN metrics compare equal
@@ -176,11 +203,13 @@ def load_results(paths: list[str]) -> ResultTable:
     table = ResultTable()
     folders = []
     for path in paths:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"Results path {path!r} does not exist.")
-        folders.extend(sorted(p.parent for p in Path(path).rglob("model_meta.json")))
-    if not folders:
-        raise ValueError(f"No results (model_meta.json) found under {paths}.")
+        found = model_folders(path)
+        if not found:  # a mistyped or unfinished path would otherwise vanish from the table without a word
+            raise ValueError(
+                f"{path}: holds no evaluation results (no model_meta.json below it); check the path, or run its "
+                "evaluation first."
+            )
+        folders.extend(found)
     sources: dict[tuple[str, str], tuple[Path, object]] = {}
     for folder in folders:
         label = _model_label(folder)  # the same checkpoint and settings in several folders is one column
@@ -188,9 +217,7 @@ def load_results(paths: list[str]) -> ResultTable:
             table.models.append(label)
             table.scores[label] = {}
             table.details[label] = {}
-        for file in sorted(folder.glob("*.json")):
-            if file.name in SKIP_FILES:
-                continue
+        for file in result_files(folder):
             result = _read_result(file)
             seen = sources.get((label, result.task_name))
             if seen is not None:
@@ -335,8 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of mteb_eval_custom.py, or results folders")
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
+    parser.add_argument(
+        "--check", action="store_true",
+        help="only name every result file mteb's ResultCache could not read (exit 1 if any); write nothing",
+    )
     args = parser.parse_args(argv)
-    markdown, _ = write_report(args.results_dirs, args.out_dir)
+    try:
+        if args.check:
+            problems = check_results(args.results_dirs)
+            for problem in problems:
+                print(problem)
+            print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
+            return 1 if problems else 0
+        markdown, _ = write_report(args.results_dirs, args.out_dir)
+    except (ValueError, FileNotFoundError) as e:  # our messages: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(markdown)
     print(f"Wrote {args.out_dir}/report.md, report.csv and bar charts.")
     return 0
