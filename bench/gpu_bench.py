@@ -26,7 +26,7 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
     import torch
 
     from diffusion_embedder.demo_model import SHAPES_7B, random_encoder
-    from diffusion_embedder.encoder import _Tokenized, length_batches
+    from diffusion_embedder.inference import Tokenized, length_batches
     from diffusion_embedder.packing import plan_batches, row_length
 
     model_type, dims = SHAPES_7B[shape]
@@ -36,7 +36,7 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
         lengths = [max_length] * docs
     else:
         lengths = torch.randint(64, max_length + 1, (docs,), generator=generator).tolist()
-    items = [_Tokenized(torch.randint(10, dims["vocab_size"], (n,), generator=generator).tolist(), n)
+    items = [Tokenized(torch.randint(10, dims["vocab_size"], (n,), generator=generator).tolist(), n)
              for n in lengths]
     if packing:
         width = row_length(lengths, "cuda")

@@ -16,7 +16,7 @@ COMMANDS = {
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
     "demo": ("diffusion_embedder.demo", "train and evaluate bidirectional vs causal on this machine"),
-    "export": ("diffusion_embedder.export", "write an encoder as a folder sentence-transformers (or we) load"),
+    "export": ("diffusion_embedder.export_cli", "write an encoder as a folder sentence-transformers (or we) load"),
 }
 
 

@@ -22,7 +22,7 @@ from conftest import (
 from peft import LoraConfig, get_peft_model
 
 from diffusion_embedder import Encoder, LLM2Vec
-from diffusion_embedder.encoder import length_batches
+from diffusion_embedder.inference import length_batches
 from diffusion_embedder.pooling import POOLING_MODES, pool
 from diffusion_embedder.templates import SEPARATOR, parse_input, render
 
