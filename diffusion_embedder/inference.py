@@ -1,10 +1,11 @@
 """``Encoder.encode``'s work: inputs and prompts, the tokenization pipeline, batching, devices, the output.
 
 The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``tokenize_items`` (the tokenization
-pipeline: a pure function of the tokenizer, the settings and the inputs), ``plan_batches`` (length-sorted
+pipeline: a function of the tokenizer, the settings and the inputs only), ``make_batches`` (length-sorted
 or packed), ``run_batches`` (one device, or a pool of persistent workers) and ``finish`` (Matryoshka
-truncation, normalization, quantization). This is the one module that imports packing's batch planning,
-quantization, the device pool and the CPU linear path; the encoder only collates and runs a forward.
+truncation, normalization, quantization). Of the encoder's modules only this one plans packed batches and
+imports quantization, the device pool (``multiprocess``) and the CPU linear path; ``encoder`` uses
+``packing`` only to collate and run packed rows, which training uses too.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch
     return batches
 
 
-def plan_batches(
+def make_batches(
     encoder, lengths: list[int], device_type: str, batch_size: int, max_tokens_per_batch: int | None, packing
 ) -> tuple[list[list[int]], Callable[[list[Tokenized]], dict[str, torch.Tensor]]]:
     """The batches (indices) and the collate function: packed rows where ``packing`` asks for them, else padded."""
@@ -318,7 +319,7 @@ def encode(
         lengths = [len(t.input_ids) for t in tokenized]
         devices = _resolve_devices(device, encoder)
         device_type = torch.device(devices[0] or encoder.device).type
-        batches, collate = plan_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
+        batches, collate = make_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
         out = run_batches(encoder, tokenized, batches, devices, show_progress_bar, collate)
     truncate_dim = truncate_dim if truncate_dim is not None else encoder.truncate_dim
     return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)
