@@ -67,16 +67,20 @@ def save(encoder: nn.Module, output_path: str, merge_before_save: bool = False, 
 def merged_copy(model: nn.Module) -> nn.Module:
     """``model.merge_and_unload()`` (peft) on a copy, leaving ``model`` as it was.
 
-    Only the tensors of the adapter layers (the base weights the merge writes into, and the adapters)
-    are copied; every other tensor is shared with ``model``. The merge is peft's own, on the same
-    devices, so the merged weights are the ones an in-place merge gives.
+    Only the tensors of the modules peft unloads (adapter layers with the base weights a merge writes
+    into, and wrapped modules) are copied, on their device; every other tensor is shared with ``model``.
+    The merge is peft's own on the same devices, so the merged weights are those an in-place merge gives;
+    the cost is memory for a copy of the adapted layers while saving.
     """
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     def tensors(module: nn.Module):
         return itertools.chain(module.parameters(), module.buffers())
 
-    adapted = {id(t) for m in model.modules() if isinstance(m, BaseTunerLayer) for t in tensors(m)}
+    def unloaded(module: nn.Module) -> bool:
+        return isinstance(module, BaseTunerLayer) or hasattr(module, "unload_and_optionally_merge_module")
+
+    adapted = {id(t) for m in model.modules() if unloaded(m) for t in tensors(m)}
     shared = {id(t): t for t in tensors(model) if id(t) not in adapted}
     return copy.deepcopy(model, shared).merge_and_unload()
 
