@@ -58,7 +58,7 @@ def build_encoder(preset: str, device: str, dtype: str, attn: str, max_length: i
 def run_one(args: argparse.Namespace, budget: int | None, attn: str, queue) -> None:
     import torch
 
-    from diffusion_embedder.encoder import length_batches
+    from diffusion_embedder.inference import length_batches
     from diffusion_embedder.templates import parse_inputs
 
     torch.set_num_threads(args.threads)

@@ -111,7 +111,7 @@ def run_ours(work: Path, threads: int, batch_size: int, packing: bool) -> dict:
 def padded_size(lengths: list[int], batch_size: int, packing: bool) -> int:
     """Tokens the forwards process (rows x width summed over batches), as encode batches them on CPU."""
     from diffusion_embedder import packing as packing_mod
-    from diffusion_embedder.encoder import length_batches
+    from diffusion_embedder.inference import length_batches
 
     if not packing:
         return sum(len(b) * max(lengths[i] for i in b) for b in length_batches(lengths, batch_size))

@@ -25,7 +25,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: int, docs: int, budget: int) -> dict:
     import torch
 
-    from diffusion_embedder.encoder import _Tokenized, length_batches
+    from diffusion_embedder.inference import Tokenized, length_batches
     from diffusion_embedder.packing import plan_batches, row_length
     from diffusion_embedder.random_models import SHAPES_7B, random_encoder
 
@@ -36,7 +36,7 @@ def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: 
         lengths = [max_length] * docs
     else:
         lengths = torch.randint(64, max_length + 1, (docs,), generator=generator).tolist()
-    items = [_Tokenized(torch.randint(10, dims["vocab_size"], (n,), generator=generator).tolist(), n)
+    items = [Tokenized(torch.randint(10, dims["vocab_size"], (n,), generator=generator).tolist(), n)
              for n in lengths]
     if packing:
         width = row_length(lengths, "cuda")

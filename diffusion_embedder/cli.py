@@ -14,7 +14,7 @@ COMMANDS = {stage.command: (stage.module, stage.help) for stage in STAGES.values
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
     "demo": ("diffusion_embedder.demo_launcher", "says how to run the demo (bidirectional vs causal) from a checkout"),
-    "export": ("diffusion_embedder.export", "write an encoder as a folder sentence-transformers (or we) load"),
+    "export": ("diffusion_embedder.export_cli", "write an encoder as a folder sentence-transformers (or we) load"),
 }
 
 

@@ -19,6 +19,8 @@ from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
 
 ENCODER_CONFIG = "encoder_config.json"
 LLM2VEC_CONFIG = "llm2vec_config.json"
+#: The latent-attention head's weights in an encoder folder (``latent_attention`` pooling only).
+POOLING_WEIGHTS = "pooling.safetensors"
 #: What LLM2Vec's own ``llm2vec_config.json`` holds (all it reads from a checkpoint).
 LLM2VEC_KEYS = ("pooling_mode", "max_length", "doc_max_length", "skip_instruction")
 #: Where settings come from, lowest priority first; ``resolve_config`` applies them in this order.
@@ -92,6 +94,12 @@ class EncoderConfig:
         if name in _fields():
             raise dataclasses.FrozenInstanceError(f"EncoderConfig is immutable: cannot delete {name}.")
         object.__delattr__(self, name)
+
+    @property
+    def applied_eos_suffix(self) -> str:
+        """The EOS string appended to every text: ``eos_suffix`` under ``eos_token`` pooling only, as LLM2Vec
+        (``last_token`` pools the text's own end)."""
+        return (self.eos_suffix or "") if self.pooling_mode == "eos_token" else ""
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)

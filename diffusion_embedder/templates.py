@@ -9,6 +9,7 @@ same vectors here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,22 @@ def placeholder_token(tokenizer) -> int:
         if token_id is not None:
             return token_id
     raise ValueError("The tokenizer has no BOS, EOS or pad token to stand for an empty text.")
+
+
+def left_padded(tokenizer, owned: bool = False):
+    """``tokenizer`` with a pad token (its EOS when it has none) and left padding, LLM2Vec's layout.
+
+    One that lacks them is copied first unless ``owned`` (loaded by us, seen by no caller): the
+    caller's tokenizer is never changed.
+    """
+    if tokenizer.pad_token_id is not None and tokenizer.padding_side == "left":
+        return tokenizer
+    if not owned:
+        tokenizer = copy.deepcopy(tokenizer)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def render(item: TextInput, template: str | None, eos_suffix: str) -> tuple[str, str]:

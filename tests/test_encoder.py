@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -20,9 +21,11 @@ from conftest import (
     randomize_lora_b,
 )
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder, LLM2Vec
-from diffusion_embedder.encoder import length_batches
+from diffusion_embedder.backbones import load_tokenizer
+from diffusion_embedder.inference import length_batches
 from diffusion_embedder.pooling import POOLING_MODES, pool
 from diffusion_embedder.templates import SEPARATOR, parse_input, render
 
@@ -165,6 +168,44 @@ def test_lora_adapter_round_trip_merged_and_unmerged(tmp_path):
     assert (tmp_path / "merged" / "model.safetensors").exists()
     fully = Encoder.from_pretrained(str(tmp_path / "merged"))
     assert torch.allclose(fully.encode(TEXTS, show_progress_bar=False), with_lora, atol=1e-5)
+
+
+def test_saving_merged_leaves_the_encoders_model_as_it_was(tmp_path):
+    """save(merge_before_save=True) and the sentence-transformers export write merged weights, the ones peft's
+    in-place merge gives, and the encoder keeps its adapter, its weights and its vectors."""
+    encoder = _with_random_lora(encoder_for(LLAMA_FIXTURE))
+    model = encoder.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = encoder.encode(TEXTS, show_progress_bar=False)
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()  # what save did to the encoder's own model
+    encoder.save(str(tmp_path / "merged"), merge_before_save=True)
+    encoder.save(str(tmp_path / "st"), format="sentence-transformers")
+    assert encoder.model is model and hasattr(model, "peft_config")
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    assert torch.equal(encoder.encode(TEXTS, show_progress_bar=False), before)
+    for folder in ("merged", "st"):
+        saved = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert saved.keys() == expected.keys()
+        assert all(torch.equal(saved[k], expected[k]) for k in saved), folder
+
+
+def test_the_callers_tokenizer_is_left_as_it_was(tmp_path):
+    """The encoder pads on the left with EOS as the pad token (LLM2Vec's layout) on a copy, never on the caller's
+    tokenizer; it encodes and saves exactly as the tokenizer from_pretrained prepares for itself."""
+    loaded = encoder_for(LLAMA_FIXTURE)
+    tokenizer = load_tokenizer(str(LLAMA_FIXTURE))
+    assert (tokenizer.padding_side, tokenizer.pad_token) == ("right", None)
+    encoder = Encoder(loaded.model, tokenizer, loaded.config)
+    assert (tokenizer.padding_side, tokenizer.pad_token) == ("right", None)
+    assert encoder.tokenizer is not tokenizer
+    assert (encoder.tokenizer.padding_side, encoder.tokenizer.pad_token) == ("left", "</s>")
+    assert torch.equal(encoder.encode(TEXTS, show_progress_bar=False), loaded.encode(TEXTS, show_progress_bar=False))
+    encoder.save(str(tmp_path / "given"))
+    loaded.save(str(tmp_path / "loaded"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "given" / name).read_bytes() == (tmp_path / "loaded" / name).read_bytes(), name
+    assert Encoder(loaded.model, encoder.tokenizer).tokenizer is encoder.tokenizer  # already left-padded: shared
 
 
 def test_adapter_inside_base_folder_is_merged_first(tmp_path):

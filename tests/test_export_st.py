@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from diffusion_embedder import Encoder
 from diffusion_embedder.cli import main as cli_main
 from diffusion_embedder.export import ENCODER_MODULE, ST_TRANSFORMER, save_sentence_transformers
-from diffusion_embedder.legacy import PEFT_012_LORA_FIELDS, legacy_adapter_config
+from diffusion_embedder.folders import PEFT_012_LORA_FIELDS, legacy_adapter_config
 from diffusion_embedder.pooling import POOLING_MODES
 
 PROMPTS = {"query": "Given a math problem, retrieve the relevant theorem", "document": "  Represent the proof  "}
