@@ -13,6 +13,7 @@ COMMANDS = {
     "mntp": (STAGES["mntp"].module, STAGES["mntp"].help),
     "simcse": (STAGES["simcse"].module, STAGES["simcse"].help),
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
+    "encode": ("diffusion_embedder.evaluation.encode_corpus", "a corpus's embeddings to disk: sharded, resumable"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
     "demo": ("diffusion_embedder.demo_launcher", "train and evaluate bidirectional vs causal (from a source checkout)"),

@@ -173,6 +173,9 @@ class ShardedEncoder:
         errors = [f"rank {r}: {d.error}" for r, d in enumerate(done) if d.error]
         if errors:
             raise RuntimeError(f"Encoding failed on {len(errors)} rank(s): {'; '.join(errors)}")
+        lost = sorted(set(range(len(chunks))).difference(*(d.vectors for d in done)))
+        if lost:
+            raise RuntimeError(f"Encoding chunk(s) {lost} came back from no rank.")
         out: np.ndarray | None = None
         for r, d in enumerate(done):
             for i, vectors in d.vectors.items():
