@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> EncodeArguments:
+    """``EncodeArguments`` from the command line (``argv``, else ``sys.argv``)."""
+    return EncodeArguments(**vars(build_parser().parse_args(argv)))
+
+
 def _read_corpus(args) -> Corpus:
     if bool(args.corpus) == bool(args.task_name):
         raise ValueError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
@@ -345,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done."""
     logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = EncodeArguments(**vars(build_parser().parse_args(argv)))
+    args = parse_args(argv)
     distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
     distributed.init()
     try:
