@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusion_embedder import __version__, clihelp, distributed
+from diffusion_embedder import __version__, distributed
 from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
 from diffusion_embedder.evaluation.cache import file_sha256
 from diffusion_embedder.evaluation.options import (
     ModelOptions,
-    add_encoder_flags,
-    add_options,
+    command_parser,
     encoder_overrides,
     option,
     with_encoder_settings,
@@ -258,15 +257,9 @@ def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``encode`` command line: one flag per ``_EncodeOptions`` field, then one per encoder setting."""
-    p = argparse.ArgumentParser(
-        prog=clihelp.prog("encode"),
-        description="Write a corpus's embeddings to OUTPUT_DIR (chunk files and their ids), resumable; "
-                    "--num_shards/--shard_index for job arrays, torchrun's ranks share the work too.",
-        formatter_class=clihelp.HelpFormatter,
-    )
-    add_options(p, _EncodeOptions)
-    add_encoder_flags(p)
-    return p
+    return command_parser("encode", "Write a corpus's embeddings to OUTPUT_DIR (chunk files and their ids), "
+                                    "resumable; --num_shards/--shard_index for job arrays, and torchrun's ranks "
+                                    "share the work too.", _EncodeOptions)
 
 
 def parse_args(argv: list[str] | None = None) -> EncodeArguments:

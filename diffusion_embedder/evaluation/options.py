@@ -107,6 +107,15 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def command_parser(command: str, description: str, options: type) -> argparse.ArgumentParser:
+    """A subcommand's command line: one flag per field of ``options``, then one per encoder setting."""
+    parser = argparse.ArgumentParser(prog=clihelp.prog(command), description=description,
+                                     formatter_class=clihelp.HelpFormatter)
+    add_options(parser, options)
+    add_encoder_flags(parser)
+    return parser
+
+
 def with_encoder_settings(options: type, name: str, module: str) -> type:
     """``options`` plus one field per ``EncoderConfig`` setting, None meaning the checkpoint's own."""
     return dataclasses.make_dataclass(

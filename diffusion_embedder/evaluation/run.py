@@ -17,12 +17,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diffusion_embedder import clihelp, distributed
+from diffusion_embedder import distributed
 from diffusion_embedder.evaluation import sharding
 from diffusion_embedder.evaluation.options import (
     ModelOptions,
-    add_encoder_flags,
-    add_options,
+    command_parser,
     encoder_overrides,
     option,
     with_encoder_settings,
@@ -82,15 +81,8 @@ class EvalOutcome:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval`` command line: one flag per ``_EvalOptions`` field, then one per encoder setting."""
-    p = argparse.ArgumentParser(
-        prog=clihelp.prog("eval"),
-        description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data "
-                    "(under torchrun: every rank encodes its share, rank 0 scores).",
-        formatter_class=clihelp.HelpFormatter,
-    )
-    add_options(p, _EvalOptions)
-    add_encoder_flags(p)
-    return p
+    return command_parser("eval", "Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data (under "
+                                  "torchrun: every rank encodes its share, rank 0 scores).", _EvalOptions)
 
 
 def parse_args(argv: list[str] | None = None) -> EvalArguments:
