@@ -108,6 +108,7 @@ def test_two_nodes_on_one_machine_score_as_one_process(one_process, tmp_path):
     nodes = two_nodes(EVAL_SCRIPT, *eval_argv(tmp_path))
     assert [code for code, _ in nodes] == [0, 0], "\n".join(log[-3000:] for _, log in nodes)
     assert sum(log.count("Results: ") for _, log in nodes) == 1
+    assert any("over 2 ranks (texts per rank: [52, 48])" in log for _, log in nodes)
     assert scores(tmp_path) == scores(one_process)
     sharded, single = cached_vectors(tmp_path), cached_vectors(one_process)
     assert sharded.keys() == single.keys() and all(np.array_equal(sharded[h], single[h]) for h in single)
