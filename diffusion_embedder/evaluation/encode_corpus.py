@@ -98,7 +98,7 @@ class Corpus:
 
 @dataclass
 class EncodeStats:
-    """What one process did: chunks encoded (and their texts), chunks found complete on disk."""
+    """What one process did: chunks encoded (their count, texts and indices), chunks found complete on disk."""
 
     encoded_chunks: int = 0
     encoded_texts: int = 0
