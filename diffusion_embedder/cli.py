@@ -11,6 +11,7 @@ from diffusion_embedder.training.stages import STAGES
 #: ``command -> (module with main(argv), help)``: the training stages from their registry, then the rest.
 COMMANDS = {stage.command: (stage.module, stage.help) for stage in STAGES.values()} | {
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
+    "encode": ("diffusion_embedder.evaluation.encode_corpus", "a corpus's embeddings to disk: sharded, resumable"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
     "demo": ("diffusion_embedder.demo_launcher", "says how to run the demo (bidirectional vs causal) from a checkout"),

@@ -7,6 +7,10 @@ file beside them: the SHA-256 of each text and of the ``.npy`` file's bytes. A s
 key file exists (written last), so a run killed mid-write leaves the cache valid; a shard damaged later
 (truncated, emptied, missing, bytes changed, a bad key file, or one written without a checksum) is
 discarded with a warning naming the file, and its texts are encoded again.
+
+``get_or_encode`` is the whole cycle for one process; the sharded evaluation (``sharding.py``) runs its steps
+apart: rank 0 asks which texts are ``missing``, every rank ``write``s the shards of the chunks it encodes, and
+rank 0 ``adopt``s the others' shards so later calls find them.
 """
 
 from __future__ import annotations
@@ -94,6 +98,12 @@ class CacheStats:
     encoded: int = 0
     calls: list[tuple[int, int]] = field(default_factory=list)
 
+    def count(self, hits: int, encoded: int) -> None:
+        """Record one call: ``hits`` texts served from disk, ``encoded`` encoded."""
+        self.hits += hits
+        self.encoded += encoded
+        self.calls.append((hits, encoded))
+
 
 class EmbeddingCache:
     """Per-text embedding store under ``root``; ``get_or_encode`` encodes only the texts it lacks."""
@@ -133,7 +143,17 @@ class EmbeddingCache:
         self._index[key] = index
         return index
 
-    def _write_shard(self, key: str, settings: dict, hashes: list[str], vectors: np.ndarray) -> None:
+    def missing(self, texts: Sequence[str], identity: str, settings: dict) -> list[str]:
+        """The distinct texts of ``texts`` not stored yet, in order of first appearance."""
+        index = self._load_index(settings_key(identity, settings))
+        return list(dict.fromkeys(t for t in texts if text_hash(t) not in index))
+
+    def write(self, texts: Sequence[str], vectors: np.ndarray, identity: str, settings: dict) -> str:
+        """Store one row per text as a new shard (readers see it only once complete); returns the shard's name."""
+        vectors = np.asarray(vectors, dtype=np.float32)
+        if vectors.shape[0] != len(texts):
+            raise ValueError(f"The encoder returned {vectors.shape[0]} rows for {len(texts)} texts.")
+        key = settings_key(identity, settings)
         folder = self._folder(key)
         os.makedirs(folder, exist_ok=True)
         meta_path = os.path.join(folder, "settings.json")
@@ -142,43 +162,30 @@ class EmbeddingCache:
                 json.dump(settings, f, indent=2, sort_keys=True, default=str)
         shard = uuid.uuid4().hex
         tmp = os.path.join(folder, f"{shard}.tmp.npy")
-        np.save(tmp, vectors.astype(np.float32, copy=False))
+        np.save(tmp, vectors)
         digest = file_sha256(tmp)
         os.replace(tmp, os.path.join(folder, f"{shard}.npy"))
+        hashes = [text_hash(t) for t in texts]
         with open(os.path.join(folder, f"{shard}.keys.tmp"), "w", encoding="utf-8") as f:
             json.dump({"rows_sha256": digest, "texts": hashes}, f)
         os.replace(os.path.join(folder, f"{shard}.keys.tmp"), os.path.join(folder, shard + KEYS_SUFFIX))
-        index = self._load_index(key)
-        for row, h in enumerate(hashes):
-            index.setdefault(h, (shard, row))
+        if key in self._index:  # a rank that only writes (a sharded evaluation's worker) never reads the folder
+            self.adopt(shard, texts, identity, settings)
+        return shard
 
-    def get_or_encode(
-        self,
-        texts: Sequence[str],
-        encode: Callable[[list[str]], np.ndarray],
-        identity: str,
-        settings: dict,
-    ) -> np.ndarray:
-        """Embeddings of ``texts`` in order; ``encode`` is called once, on the distinct missing texts only."""
+    def adopt(self, shard: str, texts: Sequence[str], identity: str, settings: dict) -> None:
+        """Index a shard just written for ``texts`` (by this process, or by another rank of this run)."""
+        index = self._load_index(settings_key(identity, settings))
+        for row, text in enumerate(texts):
+            index.setdefault(text_hash(text), (shard, row))
+
+    def read(self, texts: Sequence[str], identity: str, settings: dict) -> np.ndarray:
+        """The stored rows of ``texts``, in order (every one must be stored)."""
         key = settings_key(identity, settings)
         index = self._load_index(key)
-        hashes = [text_hash(t) for t in texts]
-        missing: dict[str, int] = {}
-        for i, h in enumerate(hashes):
-            if h not in index and h not in missing:
-                missing[h] = i
-        if missing:
-            new = np.asarray(encode([texts[i] for i in missing.values()]), dtype=np.float32)
-            if new.shape[0] != len(missing):
-                raise ValueError(f"The encoder returned {new.shape[0]} rows for {len(missing)} texts.")
-            self._write_shard(key, settings, list(missing), new)
-        self.stats.hits += len(texts) - len(missing)
-        self.stats.encoded += len(missing)
-        self.stats.calls.append((len(texts) - len(missing), len(missing)))
-        logger.info("Embedding cache %s: %d texts from disk, %d encoded.", key, len(texts) - len(missing), len(missing))
         by_shard: dict[str, list[tuple[int, int]]] = {}
-        for i, h in enumerate(hashes):
-            shard, row = index[h]
+        for i, text in enumerate(texts):
+            shard, row = index[text_hash(text)]
             by_shard.setdefault(shard, []).append((i, row))
         out: np.ndarray | None = None
         for shard, pairs in by_shard.items():
@@ -190,3 +197,19 @@ class EmbeddingCache:
         if out is None:
             return np.zeros((0, 0), dtype=np.float32)
         return out
+
+    def get_or_encode(
+        self,
+        texts: Sequence[str],
+        encode: Callable[[list[str]], np.ndarray],
+        identity: str,
+        settings: dict,
+    ) -> np.ndarray:
+        """Embeddings of ``texts`` in order; ``encode`` is called once, on the distinct missing texts only."""
+        missing = self.missing(texts, identity, settings)
+        if missing:
+            self.write(missing, encode(missing), identity, settings)
+        self.stats.count(len(texts) - len(missing), len(missing))
+        logger.info("Embedding cache %s: %d texts from disk, %d encoded.",
+                    settings_key(identity, settings), len(texts) - len(missing), len(missing))
+        return self.read(texts, identity, settings)

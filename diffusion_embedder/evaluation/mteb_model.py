@@ -22,6 +22,7 @@ from mteb.types import PromptType
 
 from diffusion_embedder.evaluation.cache import EmbeddingCache
 from diffusion_embedder.evaluation.results import checkpoint_name, model_revision, weights_hash
+from diffusion_embedder.evaluation.sharding import CHUNK_SIZE, ShardedEncoder, load_checkpoint
 from diffusion_embedder.evaluation.tasks import (
     DEFAULT_MAX_LENGTH_CAP,
     DEFAULT_QUERY_TEMPLATE,
@@ -62,21 +63,6 @@ def training_datasets(*folders: str | None) -> set[str] | None:
     return None
 
 
-def load_checkpoint(base_model_name_or_path: str, peft_model_name_or_path: str | None = None,
-                    torch_dtype: str | None = None, device: str | None = None, **overrides: Any):
-    """The ``Encoder`` evaluation scores: the base with its adapter (if any) merged, ``overrides`` on its settings."""
-    from diffusion_embedder import Encoder
-
-    return Encoder.from_pretrained(
-        base_model_name_or_path,
-        peft_model_name_or_path=peft_model_name_or_path,
-        merge_peft=peft_model_name_or_path is not None,
-        torch_dtype=torch_dtype,
-        device=device,
-        **overrides,
-    )
-
-
 def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any) -> MTEBEncoder:
     """``ModelMeta.loader``: rebuild the evaluated model from its metadata (``meta.load_model()``).
 
@@ -107,7 +93,8 @@ class MTEBEncoder(AbsEncoder):
     * documents: ``["", title + " " + text]``, never an instruction;
     * LongEmbed length splits (``test_4096``...) set ``max_length`` and ``doc_max_length`` to the
       split's length (at most ``max_length_cap``) for that split;
-    * documents go through ``cache`` when one is given.
+    * documents go through ``cache`` when one is given;
+    * every call is encoded in chunks (``sharding.py``), over the ranks when run under torchrun.
     """
 
     def __init__(
@@ -122,12 +109,16 @@ class MTEBEncoder(AbsEncoder):
         extra_experiment_kwargs: dict[str, Any] | None = None,
         overrides: dict[str, Any] | None = None,
         source: dict[str, str | None] | None = None,
+        device: str | list[str] | None = None,
+        chunk_size: int = CHUNK_SIZE,
     ):
         """``overrides``: encoder settings set for this evaluation only (not the checkpoint's own);
-        ``source``: ``base_model_name_or_path`` / ``peft_model_name_or_path`` the weights were loaded from."""
+        ``source``: ``base_model_name_or_path`` / ``peft_model_name_or_path`` the weights were loaded from;
+        ``device``: what ``Encoder.encode`` gets (None: its own choice); ``chunk_size``: see ``sharding.py``."""
         if "{query}" not in query_template or "{instruction}" not in query_template:
             raise ValueError(f"query_template must contain {{query}} and {{instruction}}, got {query_template!r}.")
         self.model = encoder
+        self.chunks = ShardedEncoder(encoder, device, chunk_size)
         self.instructions = dict(instructions or {})
         self.query_template = query_template
         self.cache = cache
@@ -220,14 +211,6 @@ class MTEBEncoder(AbsEncoder):
         """The instruction this model gives the task's queries (the results record it: another one scores again)."""
         return query_instruction(task_metadata.name, self.instructions, task_metadata.prompt)
 
-    def _encode_pairs(
-        self, pairs: list[list[str]], batch_size: int, show_progress_bar: bool, lengths: dict
-    ) -> np.ndarray:
-        out = self.model.encode(
-            pairs, batch_size=batch_size, show_progress_bar=show_progress_bar, convert_to_numpy=True, **lengths
-        )
-        return np.asarray(out, dtype=np.float32)
-
     def encode(
         self,
         inputs,
@@ -244,13 +227,14 @@ class MTEBEncoder(AbsEncoder):
         # LongEmbed length splits: the split's length is this call's max_length and doc_max_length.
         length = split_max_length(hf_split, self.max_length_cap)
         lengths = {} if length is None else {"max_length": length, "doc_max_length": length}
+        kwargs = {"batch_size": batch_size, "show_progress_bar": show, **lengths}
         if prompt_type == PromptType.document and self.cache is not None:
             settings = {**encoder_settings(self.model), **lengths, "role": "document"}
-            texts = [text for _, text in pairs]
-            return self.cache.get_or_encode(
-                texts,
-                lambda missing: self._encode_pairs([["", t] for t in missing], batch_size, show, lengths),
+            return self.chunks.encode_documents(
+                [text for _, text in pairs],
+                self.cache,
                 identity=f"{self.identity['name']}@{self.identity['revision']}|{self.weights}",
                 settings=settings,
+                **kwargs,
             )
-        return self._encode_pairs(pairs, batch_size, show, lengths)
+        return self.chunks.encode(pairs, **kwargs)

@@ -9,20 +9,23 @@ to, and when it is scored again, is the ledger of ``results.py``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import sys
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diffusion_embedder import clihelp
-from diffusion_embedder.config import field_types as encoder_field_types
-from diffusion_embedder.config import matches_type, setting_fields, value_problem
-from diffusion_embedder.dtypes import TORCH_DTYPES
+from diffusion_embedder import distributed
+from diffusion_embedder.evaluation import sharding
+from diffusion_embedder.evaluation.options import (
+    ModelOptions,
+    command_parser,
+    encoder_overrides,
+    option,
+    with_encoder_settings,
+)
 from diffusion_embedder.evaluation.results import check_identity, record_instruction, rescore_reason
 from diffusion_embedder.evaluation.tasks import (
     BENCHMARKS,
@@ -30,62 +33,41 @@ from diffusion_embedder.evaluation.tasks import (
     DEFAULT_QUERY_TEMPLATE,
     resolve_task_names,
 )
-from diffusion_embedder.files import parse_json_object
 
 logger = logging.getLogger(__name__)
 
-#: Encoder settings the command line may override; an override is an ablation (an ``experiments/`` folder).
-ENCODER_FLAGS = tuple(f.name for f in setting_fields())
 #: For p-MRR tasks "full ranking" keeps every candidate: p-MRR reads the rank of each changed document.
 FULL_RANKING = 2**62
 
 
-def _option(default=None, help: str | None = None, **cli):
-    """An ``eval`` option: its default and help; ``cli`` may add ``choices``, or ``flag`` for a
-    ``True`` switch (the ``--flag`` that turns it off)."""
-    factory = {"default_factory": default.copy} if isinstance(default, list) else {"default": default}
-    return field(**factory, metadata={"help": help, **cli})
-
-
 @dataclass
-class _EvalOptions:
+class _EvalOptions(ModelOptions):
     """Every ``eval`` option, once: ``build_parser`` makes one flag per field (a list is ``nargs="+"``,
     a bool a switch)."""
 
-    base_model_name_or_path: str | None = _option(help="base checkpoint, encoder folder or hub name")
-    peft_model_name_or_path: str | None = _option(help="LoRA adapter trained on top of the base")
-    task_name: list[str] = _option([], "mteb task name(s); upstream Bright* names accepted")
-    benchmark: str | None = _option(choices=tuple(BENCHMARKS))
-    local_task: list[str] = _option([], "BEIR-format folder(s) to evaluate")
-    task_to_instructions_fp: str | None = _option(
+    task_name: list[str] = option([], "mteb task name(s); upstream Bright* names accepted")
+    benchmark: str | None = option(choices=tuple(BENCHMARKS))
+    local_task: list[str] = option([], "BEIR-format folder(s) to evaluate")
+    task_to_instructions_fp: str | None = option(
         help="JSON task -> query instruction (default: the shipped file)")
-    output_dir: str = _option("results")
-    batch_size: int = _option(32)
-    max_length_cap: int = _option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits")
-    top_k: int | None = _option(
+    output_dir: str = option("results")
+    max_length_cap: int = option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits")
+    top_k: int | None = option(
         help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
              "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation")
-    data_dir: str | None = _option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
-    query_template: str = _option(DEFAULT_QUERY_TEMPLATE, "FollowIR query + instruction format")
-    embedding_cache_dir: str | None = _option(
+    data_dir: str | None = option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
+    query_template: str = option(DEFAULT_QUERY_TEMPLATE, "FollowIR query + instruction format")
+    embedding_cache_dir: str | None = option(
         help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
-    no_embedding_cache: bool = _option(False)
-    overwrite: bool = _option(False, "rerun tasks that already have results")
-    save_predictions: bool = _option(False)
-    show_progress_bar: bool = _option(True, flag="no_progress_bar")
-    model_name: str | None = _option(help="results name (default: diffusion_embedder/<checkpoint folder>)")
-    revision: str | None = _option(help="results revision (default: hash of weights and settings)")
-    torch_dtype: str | None = _option(help="default: float32", choices=TORCH_DTYPES)
-    device: str | None = _option()
+    no_embedding_cache: bool = option(False)
+    overwrite: bool = option(False, "rerun tasks that already have results")
+    save_predictions: bool = option(False)
+    model_name: str | None = option(help="results name (default: diffusion_embedder/<checkpoint folder>)")
+    revision: str | None = option(help="results revision (default: hash of weights and settings)")
 
 
 #: The evaluation options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
-EvalArguments = dataclasses.make_dataclass(
-    "EvalArguments",
-    [(f.name, encoder_field_types()[f.name] | None, field(default=None)) for f in setting_fields()],
-    bases=(_EvalOptions,),
-    namespace={"__module__": __name__},
-)
+EvalArguments = with_encoder_settings(_EvalOptions, "EvalArguments", __name__)
 
 
 @dataclass
@@ -97,81 +79,15 @@ class EvalOutcome:
     results_dir: str = ""
 
 
-def _str2bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "y"):
-        return True
-    if value.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval`` command line: one flag per ``_EvalOptions`` field, then one per encoder setting."""
-    p = argparse.ArgumentParser(
-        prog=clihelp.prog("eval"),
-        description="Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data.",
-        formatter_class=clihelp.HelpFormatter,
-    )
-    hints = typing.get_type_hints(_EvalOptions)
-    for f in dataclasses.fields(_EvalOptions):
-        tp = hints[f.name]
-        spec = {k: f.metadata[k] for k in ("help", "choices") if k in f.metadata}
-        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        if tp is bool:
-            spec["action"] = "store_false" if default else "store_true"
-        elif typing.get_origin(tp) is list:
-            spec |= {"nargs": "+", "type": typing.get_args(tp)[0]}
-        else:
-            spec["type"] = int if int in (tp, *typing.get_args(tp)) else str
-        p.add_argument(f"--{f.metadata.get('flag', f.name)}", dest=f.name, default=default, **spec)
-    add_encoder_flags(p)
-    return p
-
-
-def _setting_type(name: str):
-    """argparse type for setting ``name``: its Python type, checked with EncoderConfig's own rules."""
-    tp = encoder_field_types()[name]
-    base = bool if tp is bool else int if tp is int else dict if typing.get_origin(tp) is dict else str
-
-    def parse(raw: str):
-        if base is dict:
-            value = parse_json_object(raw, name, argparse.ArgumentTypeError)
-            if not matches_type(value, tp):
-                raise argparse.ArgumentTypeError(f"{name}: expected a JSON object of strings, got {raw!r}")
-            return value
-        value = _str2bool(raw) if base is bool else base(raw)
-        problem = value_problem(name, value)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    parse.__name__ = base.__name__
-    return parse
-
-
-def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``EncoderConfig`` setting; unset flags keep the checkpoint's value."""
-    group = parser.add_argument_group("encoder settings (default: the checkpoint's, else the value shown)")
-    for f in setting_fields():
-        choices = f.metadata.get("choices")
-        extra = f"; one of {', '.join(choices)}" if choices else ""
-        group.add_argument(
-            f"--{f.name}",
-            type=_setting_type(f.name),
-            default=None,
-            metavar=f.name.upper(),
-            help=f"{f.metadata['help']} (default: the checkpoint's, else {clihelp.default_text(f)}{extra})",
-        )
+    return command_parser("eval", "Evaluate an encoder on FollowIR, LongEmbed, BRIGHT or local BEIR data (under "
+                                  "torchrun: every rank encodes its share, rank 0 scores).", _EvalOptions)
 
 
 def parse_args(argv: list[str] | None = None) -> EvalArguments:
     """``EvalArguments`` from the command line (``argv``, else ``sys.argv``)."""
     return EvalArguments(**vars(build_parser().parse_args(argv)))
-
-
-def encoder_overrides(args: EvalArguments) -> dict:
-    """Encoder settings given on the command line; unset ones are the checkpoint's own."""
-    return {k: getattr(args, k) for k in ENCODER_FLAGS if getattr(args, k) is not None}
 
 
 def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict:
@@ -188,13 +104,12 @@ def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict
 
 
 def load_encoder(args: EvalArguments):
-    """The checkpoint ``args`` name, with the encoder settings they override."""
+    """The checkpoint ``args`` name, with the encoder settings they override, on this rank's device."""
     if not args.base_model_name_or_path:
         raise ValueError("--base_model_name_or_path is required.")
-    from diffusion_embedder.evaluation.mteb_model import load_checkpoint
-
-    return load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
-                           args.device, **encoder_overrides(args))
+    device, _ = distributed.placement(args.device)
+    return sharding.load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
+                                    device, **encoder_overrides(args))
 
 
 def wrap_encoder(encoder, args: EvalArguments):
@@ -219,6 +134,8 @@ def wrap_encoder(encoder, args: EvalArguments):
         overrides=encoder_overrides(args),
         source={"base_model_name_or_path": args.base_model_name_or_path,
                 "peft_model_name_or_path": args.peft_model_name_or_path},
+        device=distributed.placement(args.device)[1],
+        chunk_size=args.chunk_size,
     )
 
 
@@ -287,12 +204,27 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns a non-zero exit status when any task failed."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """CLI entry; returns a non-zero exit status when any task failed.
+
+    Under torchrun every rank loads the encoder; rank 0 runs mteb and sends the others their chunks of each
+    encode call (``sharding.py``), and alone writes results and prints.
+    """
     args = parse_args(argv)
+    level = logging.INFO if distributed.is_main() else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
     factories = task_factories(args)  # task-name errors surface before the model is loaded
-    model = wrap_encoder(load_encoder(args), args)
-    outcome = evaluate(model, factories, args)
+    distributed.init()
+    try:
+        if not distributed.is_main():
+            sharding.ShardedEncoder(load_encoder(args), distributed.placement(args.device)[1], args.chunk_size).serve()
+            return 0
+        try:
+            outcome = evaluate(wrap_encoder(load_encoder(args), args), factories, args)
+        finally:
+            sharding.stop_workers()
+    finally:
+        distributed.shutdown()
     print(f"Results: {outcome.results_dir}")
     for name, score in outcome.scores.items():
         print(f"  {name}: {score:.4f}")

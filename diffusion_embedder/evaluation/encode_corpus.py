@@ -1,0 +1,364 @@
+"""``encode``: a corpus's embeddings written to disk with their ids, in chunks, resumable, shared out over processes.
+
+The input is a BEIR ``corpus.jsonl`` (``_id``, ``title``, ``text``), any JSONL with an id and a text field
+(``--id_field``, ``--text_field``; ``--title_field ""`` when there is no title), or an mteb task's corpus
+(``--task_name``; mteb is needed only then). A document is encoded as the evaluation encodes it: its title and
+text joined as mteb joins them (``document_text``), no instruction. The output folder holds
+
+    manifest.json      the model (base, adapter, weights hash), every encoder setting, dtype and dimension, the
+                       corpus (source, fingerprint, rows), the chunk plan, the package version
+    chunk-000000.npy   float32 rows of the chunk's documents, in corpus order
+    chunk-000000.json  their ids and rows and the SHA-256 of the .npy; written last, so it marks the chunk complete
+
+Chunks, not shards, are the unit on disk: they are ``sharding.plan_chunks`` over the corpus, whatever the number
+of processes, and process ``s`` of ``n`` (``--num_shards``/``--shard_index``, times torchrun's ranks) encodes
+chunks ``s, s + n, ...``. So any sharding writes the same files with the same vectors, and a rerun, with as
+many processes as are at hand, encodes only the chunks not yet complete and intact. A folder made for another
+model, settings, dtype or corpus is refused, naming what differs. ``load_embeddings`` reads the folder back in
+corpus order and checks every chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diffusion_embedder import __version__, distributed
+from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
+from diffusion_embedder.evaluation.cache import file_sha256
+from diffusion_embedder.evaluation.options import (
+    ModelOptions,
+    command_parser,
+    encoder_overrides,
+    option,
+    with_encoder_settings,
+)
+from diffusion_embedder.evaluation.results import PROVENANCE_KEYS, weights_hash
+from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
+from diffusion_embedder.files import read_json_object
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "diffusion_embedder.embeddings/1"
+#: What a folder's vectors depend on: a rerun that differs in any of these is refused. The rest of the
+#: manifest (paths, version, shard count) says where they came from.
+IDENTITY_KEYS = ("format", "model.weights_sha256", "settings", "torch_dtype", "embedding_dim", "corpus.fingerprint",
+                 "corpus.num_rows", "chunks.chunk_size", "chunks.chunk_chars", "chunks.num_chunks")
+
+
+@dataclass
+class _EncodeOptions(ModelOptions):
+    """Every ``encode`` option, once (the model's are ``ModelOptions``, shared with ``eval``)."""
+
+    corpus: str | None = option(help="BEIR corpus.jsonl, or any JSONL (.gz too) with an id and a text field")
+    task_name: str | None = option(help="an mteb task whose corpus to encode, instead of --corpus")
+    split: str | None = option(help="the mteb task's split (default: its first evaluation split)")
+    subset: str | None = option(help="the mteb task's subset (default: its first)")
+    data_dir: str | None = option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
+    id_field: str = option("_id")
+    text_field: str = option("text")
+    title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
+    output_dir: str | None = option(help="the embeddings folder (required)")
+    num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
+                                "each one's ranks share its part")
+    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)")
+    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead")
+
+
+#: The ``encode`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
+EncodeArguments = with_encoder_settings(_EncodeOptions, "EncodeArguments", __name__)
+
+
+@dataclass
+class Corpus:
+    """The documents to encode, in order, and what identifies them."""
+
+    source: str
+    ids: list[str]
+    texts: list[str]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of every (id, text) in order: what is encoded, however it was read."""
+        digest = hashlib.sha256()
+        for doc_id, text in zip(self.ids, self.texts, strict=True):
+            digest.update(json.dumps([doc_id, text], ensure_ascii=False).encode() + b"\n")
+        return digest.hexdigest()
+
+
+@dataclass
+class EncodeStats:
+    """What one process did: chunks encoded (their count, texts and indices), chunks found complete on disk."""
+
+    encoded_chunks: int = 0
+    encoded_texts: int = 0
+    skipped_chunks: int = 0
+    chunks: list[int] = field(default_factory=list)
+
+
+def document_text(title: str | None, text: str) -> str:
+    """A document as mteb's retrieval evaluation hands it to a model (its ``_corpus_to_dict``): title, space, text."""
+    return (title + " " + text).strip() if title else text.strip()
+
+
+def read_corpus_file(path: str, id_field: str = "_id", text_field: str = "text", title_field: str = "title") -> Corpus:
+    """A JSONL corpus, validated: a bad record, an empty file or a repeated id is a ``file:line`` error."""
+    fields = [Field(id_field, "int|str"), Field(text_field)]
+    if title_field:
+        fields.append(Field(title_field, required=False, nullable=True))
+    rows, _ = read_jsonl(path, fields, lambda record, index: (
+        index + 1, str(record[id_field]), document_text(record.get(title_field) if title_field else None,
+                                                        record[text_field])))
+    if not rows:
+        raise DataFormatError(f"{path}: no records (the file is empty).")
+    seen: dict[str, int] = {}
+    for line, doc_id, _ in rows:
+        if seen.setdefault(doc_id, line) != line:
+            raise DataFormatError(f"{path}:{line}: duplicate {id_field} {doc_id!r} (first on line {seen[doc_id]}).")
+    return Corpus(os.path.abspath(path), [doc_id for _, doc_id, _ in rows], [text for _, _, text in rows])
+
+
+def read_task_corpus(name: str, split: str | None = None, subset: str | None = None,
+                     data_dir: str | None = None) -> Corpus:
+    """The corpus of an mteb retrieval task (a local copy with ``data_dir``), as its evaluation reads it."""
+    from diffusion_embedder.evaluation.tasks import get_mteb_task
+
+    task = get_mteb_task(name, data_dir)
+    task.load_data()
+    subset = subset or next(iter(task.dataset))
+    split = split or task.metadata.eval_splits[0]
+    try:
+        corpus = task.dataset[subset][split]["corpus"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name}: no corpus for subset {subset!r}, split {split!r} (subsets: "
+                         f"{sorted(task.dataset)}; splits: {task.metadata.eval_splits}).") from None
+    titles = corpus["title"] if "title" in corpus.column_names else [None] * len(corpus)
+    texts = [document_text(title, text) for title, text in zip(titles, corpus["text"], strict=True)]
+    return Corpus(f"mteb:{name}/{subset}/{split}@{task.metadata.revision}", [str(i) for i in corpus["id"]], texts)
+
+
+def chunk_name(index: int) -> str:
+    return f"chunk-{index:06d}"
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in record.items():
+        if isinstance(value, dict) and key != "settings":
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _differences(stored: dict, manifest: dict) -> list[str]:
+    """What about the vectors differs between two manifests, one line each (settings named one by one)."""
+    old, new = _flat(stored), _flat(manifest)
+    lines = []
+    for key in IDENTITY_KEYS:
+        if key == "settings":
+            before, after = old.get(key) or {}, new[key]
+            lines += [f"encoder setting {k}: {before.get(k)!r} there, {after.get(k)!r} now"
+                      for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+        elif old.get(key) != new[key]:
+            lines.append(f"{key}: {old.get(key)!r} there, {new[key]!r} now")
+    return lines
+
+
+def claim_folder(folder: str, manifest: dict) -> None:
+    """Write ``manifest.json`` (the first process to arrive does, atomically), or check the one there."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+        with contextlib.suppress(FileExistsError):  # another process made it first: compared below
+            os.link(tmp, path)
+        os.remove(tmp)
+    stored = read_json_object(path, ValueError)
+    differences = _differences(stored, json.loads(json.dumps(manifest)))
+    if differences:
+        raise ValueError(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
+                         f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+
+
+def _check_chunk(folder: str, index: int, dim: int, ids: list[str] | None = None) -> dict:
+    """The record of a complete, intact chunk, or ``ValueError`` naming the file and what is wrong."""
+    record_path = os.path.join(folder, chunk_name(index) + ".json")
+    rows_path = os.path.join(folder, chunk_name(index) + ".npy")
+    if not os.path.exists(record_path):
+        raise ValueError(f"{record_path}: missing (chunk {index} was not completed)")
+    record = read_json_object(record_path, ValueError)
+    if not isinstance(record.get("ids"), list) or not isinstance(record.get("sha256"), str):
+        raise ValueError(f"{record_path}: not a chunk record (ids, rows, sha256)")
+    if ids is not None and record["ids"] != ids:
+        raise ValueError(f"{record_path}: its ids are not the corpus's ids for this chunk")
+    try:
+        rows = np.load(rows_path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise ValueError(f"{rows_path}: unreadable or truncated ({e})") from None
+    if rows.dtype != np.float32 or rows.shape != (len(record["ids"]), dim):
+        raise ValueError(f"{rows_path}: array {rows.dtype}{rows.shape}, expected float32 ({len(record['ids'])}, {dim})")
+    if file_sha256(rows_path) != record["sha256"]:
+        raise ValueError(f"{rows_path}: its bytes changed since it was written (SHA-256 differs from its record)")
+    return record
+
+
+def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray) -> None:
+    """The chunk's rows, then its record (temporary files renamed into place, the record last)."""
+    base = os.path.join(folder, chunk_name(index))
+    for leftover in glob.glob(f"{base}.*.tmp*"):  # from a killed run
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(leftover)
+    tmp = f"{base}.{uuid.uuid4().hex}.tmp.npy"
+    np.save(tmp, vectors)
+    digest = file_sha256(tmp)
+    os.replace(tmp, base + ".npy")
+    tmp = f"{base}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"ids": ids, "rows": list(rows), "sha256": digest}, f)
+    os.replace(tmp, base + ".json")
+
+
+def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
+    """``(ids, float32 matrix)`` of an ``encode`` folder, in corpus order; every chunk must be complete and intact."""
+    manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{os.path.join(output_dir, MANIFEST)}: format {manifest.get('format')!r}, not {FORMAT!r}")
+    dim, plan = manifest["embedding_dim"], manifest["chunks"]
+    ids: list[str] = []
+    blocks = []
+    for index in range(plan["num_chunks"]):
+        try:
+            record = _check_chunk(output_dir, index, dim)
+        except ValueError as e:
+            raise ValueError(f"{e}; rerun the encode command into {output_dir} to finish it.") from None
+        if record.get("rows") != [len(ids), len(ids) + len(record["ids"])]:
+            raise ValueError(f"{os.path.join(output_dir, chunk_name(index))}.json: rows {record.get('rows')}, "
+                             f"expected to start at {len(ids)}")
+        ids += record["ids"]
+        blocks.append(np.load(os.path.join(output_dir, chunk_name(index) + ".npy")))
+    expected = manifest["corpus"]["num_rows"]
+    if len(ids) != expected:
+        raise ValueError(f"{output_dir}: {len(ids)} rows in the chunks, the manifest says {expected}")
+    return ids, np.concatenate(blocks) if blocks else np.zeros((0, dim), dtype=np.float32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``encode`` command line: one flag per ``_EncodeOptions`` field, then one per encoder setting."""
+    return command_parser("encode", "Write a corpus's embeddings to OUTPUT_DIR (chunk files and their ids), "
+                                    "resumable; --num_shards/--shard_index for job arrays, and torchrun's ranks "
+                                    "share the work too.", _EncodeOptions)
+
+
+def parse_args(argv: list[str] | None = None) -> EncodeArguments:
+    """``EncodeArguments`` from the command line (``argv``, else ``sys.argv``)."""
+    return EncodeArguments(**vars(build_parser().parse_args(argv)))
+
+
+def _read_corpus(args) -> Corpus:
+    if bool(args.corpus) == bool(args.task_name):
+        raise ValueError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
+    if args.task_name:
+        return read_task_corpus(args.task_name, args.split, args.subset, args.data_dir)
+    return read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
+
+
+def _shard(args) -> tuple[int, int]:
+    """``(index, count)`` of this process: the job array's shard, split again over torchrun's ranks."""
+    if not 0 <= args.shard_index < args.num_shards:
+        raise ValueError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+    world = distributed.world_size()
+    return args.shard_index * world + distributed.rank(), args.num_shards * world
+
+
+def _manifest(args, encoder, corpus: Corpus, chunks: list[tuple[int, int]], num_shards: int) -> dict:
+    settings = {k: v for k, v in encoder.config.to_dict().items() if k not in PROVENANCE_KEYS}
+    return {
+        "format": FORMAT,
+        "version": __version__,
+        "model": {"base_model_name_or_path": args.base_model_name_or_path,
+                  "peft_model_name_or_path": args.peft_model_name_or_path,
+                  "weights_sha256": weights_hash(encoder)},
+        "settings": settings,
+        "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
+        "embedding_dim": encoder.embedding_dim,
+        "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
+        "chunks": {"chunk_size": args.chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(chunks)},
+        "num_shards": num_shards,
+    }
+
+
+def encode_corpus(args) -> EncodeStats:
+    """Encode this process's chunks of the corpus into ``args.output_dir``, skipping those already complete."""
+    if not args.output_dir:
+        raise ValueError("--output_dir is required.")
+    if not args.base_model_name_or_path:
+        raise ValueError("--base_model_name_or_path is required.")
+    load_device, encode_device = distributed.placement(args.device)
+    shard, num_shards = _shard(args)
+    corpus = _read_corpus(args)
+    chunks = plan_chunks([len(t) for t in corpus.texts], args.chunk_size)
+    encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
+                              load_device, **encoder_overrides(args))
+    claim_folder(args.output_dir, _manifest(args, encoder, corpus, chunks, num_shards))
+    stats = EncodeStats()
+    mine = range(shard, len(chunks), num_shards)
+    if args.show_progress_bar and distributed.is_main():
+        from tqdm.auto import tqdm
+
+        mine = tqdm(mine, desc=f"Encoding chunks (shard {shard} of {num_shards})")
+    for index in mine:
+        start, end = chunks[index]
+        ids = corpus.ids[start:end]
+        try:
+            _check_chunk(args.output_dir, index, encoder.embedding_dim, ids)
+            stats.skipped_chunks += 1
+            continue
+        except ValueError as e:
+            if os.path.exists(os.path.join(args.output_dir, chunk_name(index) + ".json")):
+                logger.warning("Encoding chunk %d again: %s", index, e)
+        vectors = encode_chunk(encoder, [["", t] for t in corpus.texts[start:end]], encode_device,
+                               batch_size=args.batch_size, show_progress_bar=False,
+                               max_tokens_per_batch=args.max_tokens_per_batch)
+        _write_chunk(args.output_dir, index, ids, (start, end), vectors)
+        stats.encoded_chunks += 1
+        stats.encoded_texts += end - start
+        stats.chunks.append(index)
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done."""
+    logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
+    distributed.init()
+    try:
+        everyone = distributed.gather(encode_corpus(args))
+    finally:
+        distributed.shutdown()
+    if everyone is None:
+        return 0
+    encoded = sum(s.encoded_chunks for s in everyone)
+    print(f"Encoded {encoded} chunks ({sum(s.encoded_texts for s in everyone)} texts); "
+          f"{sum(s.skipped_chunks for s in everyone)} chunks were complete already.")
+    manifest = read_json_object(os.path.join(args.output_dir, MANIFEST))
+    total = manifest["chunks"]["num_chunks"]
+    done = sum(os.path.exists(os.path.join(args.output_dir, chunk_name(i) + ".json")) for i in range(total))
+    state = "complete" if done == total else "other shards still to run (or rerun to finish)"
+    print(f"{args.output_dir}: {done} of {total} chunks, {state}; read it with "
+          "diffusion_embedder.evaluation.encode_corpus.load_embeddings.")
+    return 0
