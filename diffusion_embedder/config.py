@@ -124,6 +124,10 @@ def setting_fields() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(EncoderConfig) if f.metadata.get("setting")]
 
 
+#: The names of the user-facing settings, in declaration order: the one list every caller uses.
+SETTING_NAMES: tuple[str, ...] = tuple(f.name for f in setting_fields())
+
+
 def field_types() -> dict[str, typing.Any]:
     return typing.get_type_hints(EncoderConfig)
 

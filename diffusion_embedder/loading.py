@@ -18,16 +18,15 @@ from diffusion_embedder.config import (
     LLM2VEC_CONFIG,
     LLM2VEC_KEYS,
     POOLING_WEIGHTS,
+    SETTING_NAMES,
     read_settings,
     resolve_config,
-    setting_fields,
 )
 from diffusion_embedder.files import find_file, hub_kwargs_of, read_optional_json_object
 from diffusion_embedder.pooling import LatentAttentionPooling
 from diffusion_embedder.templates import eos_suffix_for, known_settings, left_padded
 
 #: ``from_pretrained`` keyword arguments that are encoder settings (the rest go to the backbone).
-SETTING_NAMES = tuple(f.name for f in setting_fields())
 
 
 @dataclass(frozen=True)

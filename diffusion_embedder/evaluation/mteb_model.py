@@ -69,10 +69,9 @@ def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any)
     ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
     kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
     """
-    from diffusion_embedder.config import setting_fields
+    from diffusion_embedder.config import SETTING_NAMES
 
-    settings = {f.name for f in setting_fields()}
-    overrides = {k: v for k, v in kwargs.items() if k in settings}
+    overrides = {k: v for k, v in kwargs.items() if k in SETTING_NAMES}
     encoder = load_checkpoint(kwargs["base_model_name_or_path"], kwargs.get("peft_model_name_or_path"),
                               kwargs.get("torch_dtype"), kwargs.get("device"), **overrides)
     model = MTEBEncoder(encoder, name=model_name, overrides=overrides,

@@ -13,14 +13,13 @@ import typing
 from dataclasses import dataclass, field
 
 from diffusion_embedder import clihelp
+from diffusion_embedder.config import SETTING_NAMES, matches_type, setting_fields, value_problem
 from diffusion_embedder.config import field_types as encoder_field_types
-from diffusion_embedder.config import matches_type, setting_fields, value_problem
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.sharding import CHUNK_SIZE
 from diffusion_embedder.files import parse_json_object
 
 #: Encoder settings the command line may override (an override is an ablation for ``eval``).
-ENCODER_FLAGS = tuple(f.name for f in setting_fields())
 
 
 def option(default=None, help: str | None = None, **cli):
@@ -128,4 +127,4 @@ def with_encoder_settings(options: type, name: str, module: str) -> type:
 
 def encoder_overrides(args) -> dict:
     """Encoder settings given on the command line; unset ones are the checkpoint's own."""
-    return {k: getattr(args, k) for k in ENCODER_FLAGS if getattr(args, k) is not None}
+    return {k: getattr(args, k) for k in SETTING_NAMES if getattr(args, k) is not None}
