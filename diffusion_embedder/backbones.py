@@ -58,6 +58,11 @@ class BackboneSpec:
     tokenizer_class: type | None = None
 
 
+class BackboneConfigError(ValueError):
+    """A config.json that transformers' classes cannot run as written, or that does not match its weights;
+    the message names the field, its value and, for a size, the weight and both shapes."""
+
+
 #: Config keys of Dream's config.json that Qwen2Config must not see.
 _DREAM_DROP_KEYS = ("architectures", "auto_map", "model_type", "use_mrope", "transformers_version", "torch_dtype")
 
@@ -119,6 +124,41 @@ def _llada_reading(raw: dict, key: str) -> tuple[object, str]:
     return None, f"{given}, which LLaDA's own code cannot build a model with"
 
 
+#: LLaDA's defaults (``configuration_llada.ModelConfig``) for the sizes and numbers mapped onto Llama: a key
+#: config.json leaves out takes these, as in LLaDA's own code. Null means "derive it" for the keys in
+#: ``_LLADA_DERIVED``; for the others LLaDA's code cannot build a model with it.
+_LLADA_DEFAULTS: dict[str, object] = {
+    "d_model": 768,
+    "n_heads": 12,
+    "n_kv_heads": None,
+    "multi_query_attention": None,
+    "n_layers": 12,
+    "mlp_ratio": 4,
+    "mlp_hidden_size": None,
+    "max_sequence_length": 1024,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 50257,
+    "embedding_size": 50304,
+    "weight_tying": True,
+    "include_bias": False,
+    "attention_dropout": 0.1,
+}
+_LLADA_DERIVED = ("n_kv_heads", "multi_query_attention", "mlp_hidden_size", "embedding_size")
+
+
+def _llada_number(raw: dict, key: str) -> object:
+    """config.json's ``key`` as LLaDA's code reads it: missing means LLaDA's default; null is refused unless
+    LLaDA derives the value from others (``_LLADA_DERIVED``)."""
+    value = raw.get(key, _LLADA_DEFAULTS[key])
+    if value is None and key not in _LLADA_DERIVED:
+        raise BackboneConfigError(
+            f"LLaDA config.json: {key!r} is null, which LLaDA's own code cannot build a model with; give its "
+            f"value (LLaDA's default when the key is left out: {json.dumps(_LLADA_DEFAULTS[key])})."
+        )
+    return value
+
+
 def _llada_config(raw: dict) -> PretrainedConfig:
     """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept.
 
@@ -130,27 +170,29 @@ def _llada_config(raw: dict) -> PretrainedConfig:
     unsupported = {k: raw.get(k, "<missing>") for k, (value, _) in readings.items() if value != supported[k]}
     if unsupported:
         why = "; ".join(f"{k!r} is {readings[k][1]} (Llama runs only {json.dumps(supported[k])})" for k in unsupported)
-        raise ValueError(
+        raise BackboneConfigError(
             f"LLaDA config.json has settings transformers' Llama does not implement: {unsupported} ({why}) "
             f"(supported: {supported}); refusing rather than loading a different model."
         )
-    d_model, n_heads = raw["d_model"], raw["n_heads"]
-    n_kv_heads = raw.get("n_kv_heads") or (1 if raw.get("multi_query_attention") else n_heads)
+    value = {key: _llada_number(raw, key) for key in _LLADA_DEFAULTS}
+    d_model, n_heads = value["d_model"], value["n_heads"]
+    n_kv_heads = value["n_kv_heads"] or (1 if value["multi_query_attention"] else n_heads)
+    embedding_size = value["embedding_size"]
     config = LlamaConfig(
-        vocab_size=raw.get("embedding_size") or raw["vocab_size"],
+        vocab_size=embedding_size if embedding_size is not None else value["vocab_size"],
         hidden_size=d_model,
-        intermediate_size=raw.get("mlp_hidden_size") or raw["mlp_ratio"] * d_model,
-        num_hidden_layers=raw["n_layers"],
+        intermediate_size=value["mlp_hidden_size"] or value["mlp_ratio"] * d_model,
+        num_hidden_layers=value["n_layers"],
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
-        max_position_embeddings=raw["max_sequence_length"],
-        rms_norm_eps=raw["rms_norm_eps"],
-        rope_theta=raw["rope_theta"],
-        tie_word_embeddings=raw.get("weight_tying", False),
+        max_position_embeddings=value["max_sequence_length"],
+        rms_norm_eps=value["rms_norm_eps"],
+        rope_theta=value["rope_theta"],
+        tie_word_embeddings=value["weight_tying"],
         hidden_act="silu",
-        attention_bias=bool(raw.get("include_bias", False)),
-        mlp_bias=bool(raw.get("include_bias", False)),
-        attention_dropout=raw.get("attention_dropout", 0.0),
+        attention_bias=bool(value["include_bias"]),
+        mlp_bias=bool(value["include_bias"]),
+        attention_dropout=value["attention_dropout"],
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
@@ -327,6 +369,39 @@ def check_attention(model: PreTrainedModel, expect_bidirectional: bool) -> None:
     logger.debug("Attention self-test passed (%s, relative change %.2e)", model.config._attn_implementation, delta)
 
 
+#: The config sizes that give a weight its shape (transformers' names), by a part of the weight's name.
+_SHAPE_FIELDS = (
+    (r"embed_tokens|lm_head", ("vocab_size", "hidden_size")),
+    (r"[kv]_proj", ("num_key_value_heads", "num_attention_heads", "hidden_size")),
+    (r"[qo]_proj", ("num_attention_heads", "hidden_size")),
+    (r"gate_proj|up_proj|down_proj", ("intermediate_size", "hidden_size")),
+)
+#: Their names in LLaDA's config.json.
+_LLADA_FIELDS = {
+    "vocab_size": "embedding_size",
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "mlp_hidden_size",
+}
+
+
+def _mismatch_message(name_or_path: str, spec: BackboneSpec, config: PretrainedConfig, mismatched) -> str:
+    """A weight whose shape config.json's sizes contradict, named with both shapes and the fields that set it."""
+    rows = sorted((key, tuple(saved), tuple(built)) for key, saved, built in mismatched)
+    key, saved, built = rows[0]
+    fields = next((f for pattern, f in _SHAPE_FIELDS if re.search(pattern, key)), ("hidden_size",))
+    names = _LLADA_FIELDS if spec.model_type == "llada" else {}
+    sizes = ", ".join(f"{names.get(f, f)} = {getattr(config, f, None)}" for f in fields)
+    more = f" ({len(rows) - 1} more weight(s) differ too)" if len(rows) > 1 else ""
+    defaults = ", LLaDA's defaults for keys it leaves out" if names else ""
+    return (
+        f"config.json of {name_or_path!r} does not match its weights: {key} has shape {list(saved)} in the "
+        f"weights, but config.json's sizes ({sizes}{defaults}) give it {list(built)}{more}. Correct config.json, "
+        "or load the weights it was written for."
+    )
+
+
 #: Weights of a causal-LM checkpoint that the encoder trunk leaves out (the LM head), by name.
 LM_HEAD_KEY = re.compile(r"(^|\.)lm_head\.")
 
@@ -382,9 +457,12 @@ def load_backbone(
         load_kwargs["device_map"] = device_map
     if spec.key_mapping:  # renames the LM head too (LLaDA's transformer.ff_out -> lm_head)
         load_kwargs["key_mapping"] = spec.key_mapping
+    load_kwargs["ignore_mismatched_sizes"] = True  # reported below in our words, then refused
     auto = AutoModelForCausalLM if lm_head else AutoModel
     with _own_load_report():
         model, info = auto.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    if info["mismatched_keys"]:
+        raise BackboneConfigError(_mismatch_message(name_or_path, spec, config, info["mismatched_keys"]))
     unexpected = sorted(k for k in info["unexpected_keys"] if lm_head or not LM_HEAD_KEY.search(k))
     if unexpected:  # the LM head of a *ForCausalLM checkpoint is expected to stay behind: not reported
         logger.warning("%s: %d tensor(s) not used by the model: %s", name_or_path, len(unexpected), unexpected[:5])
