@@ -202,7 +202,12 @@ class FolderClaim:
 
 #: Claims this process holds, released at exit if the run did not release them (an in-process caller's leak).
 _HELD: dict[int, FolderClaim] = {}
-atexit.register(lambda: [claim.release() for claim in list(_HELD.values())])
+
+
+@atexit.register
+def _release_held() -> None:
+    for claim in list(_HELD.values()):
+        claim.release()
 
 
 def _missing_folders(folder: str) -> list[str]:
