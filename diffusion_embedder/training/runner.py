@@ -144,7 +144,10 @@ class OpenRun:
         if self.replaces and self.claim.held:
             logger.warning("overwrite_output_dir: deleting %s.", ", ".join(self.replaces))
             for path in self.replaces:
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
         self.replaces = []
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
