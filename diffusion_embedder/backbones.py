@@ -8,13 +8,13 @@ path that still would.
 Dream is Qwen2 with bidirectional attention: its ``config.json`` is read as JSON and mapped onto a
 ``Qwen2Config`` (keeping ``mask_token_id``), so no remote code is ever run. LLaDA (OLMo-style remote
 code) is Llama with bidirectional attention: its config is mapped field by field onto a ``LlamaConfig``
-and its weights are renamed at load; settings Llama cannot express are refused, never dropped.
+and its weights are renamed at load; settings Llama cannot express are refused, never dropped. The
+mappings are ``release_configs.py``'s; a config.json whose sizes the weights contradict is refused here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -28,17 +28,16 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen2Config,
     Qwen2Tokenizer,
 )
 from transformers.utils import cached_file
 
 from diffusion_embedder.dtypes import resolve_dtype
 from diffusion_embedder.files import find_file, hub_kwargs_of, read_json_object
+from diffusion_embedder.release_configs import LLADA_KEY_MAPPING, BackboneConfigError, dream_config, llada_config
 
 logger = logging.getLogger(__name__)
 
@@ -58,125 +57,6 @@ class BackboneSpec:
     tokenizer_class: type | None = None
 
 
-#: Config keys of Dream's config.json that Qwen2Config must not see.
-_DREAM_DROP_KEYS = ("architectures", "auto_map", "model_type", "use_mrope", "transformers_version", "torch_dtype")
-
-
-def _dream_config(raw: dict) -> PretrainedConfig:
-    fields = {k: v for k, v in raw.items() if k not in _DREAM_DROP_KEYS}
-    mask_token_id = fields.pop("mask_token_id", None)
-    fields.setdefault("tie_word_embeddings", False)
-    config = Qwen2Config(**fields)
-    config.mask_token_id = mask_token_id
-    return config
-
-
-#: LLaDA/OLMo settings that Llama's code does not implement: the only value it can run, and the value
-#: LLaDA's code uses when config.json leaves the key out (``configuration_llada.ModelConfig``'s default;
-#: ``rope_scaling`` and ``clip_qkv`` are OLMo keys LLaDA's code never reads, null meaning none).
-_LLADA_FIXED: dict[str, tuple[object, object]] = {
-    "block_type": ("llama", "sequential"),
-    "activation_type": ("silu", "swiglu"),
-    "layer_norm_type": ("rms", "default"),
-    "layer_norm_with_affine": (True, True),
-    "bias_for_layer_norm": (False, None),
-    "attention_layer_norm": (False, False),
-    "input_emb_norm": (False, False),
-    "include_qkv_bias": (False, False),
-    "alibi": (False, False),
-    "rope": (True, False),
-    "scale_logits": (False, False),
-    "residual_dropout": (0.0, 0.1),
-    "embedding_dropout": (0.0, 0.1),
-    "rope_scaling": (None, None),
-    "clip_qkv": (None, None),
-}
-#: Flags LLaDA's code only tests for truth (``if config.rope:``), so an explicit null there means false.
-_LLADA_TRUTH_TESTED = (
-    "layer_norm_with_affine", "attention_layer_norm", "input_emb_norm", "alibi", "rope", "scale_logits"
-)
-
-
-def _llada_reading(raw: dict, key: str) -> tuple[object, str]:
-    """The value LLaDA's own code acts on for ``key``, and how config.json gave it (for the message).
-
-    A missing key takes LLaDA's default. A null reaches LLaDA's code as None: a truth test reads it as
-    false, ``bias_for_layer_norm`` falls back to ``include_bias``, and elsewhere LLaDA's code cannot build
-    a model with it (an unknown block, norm or activation type, ``nn.Dropout(None)``, ``include_bias | None``).
-    """
-    if key in raw:
-        value, given = raw[key], json.dumps(raw[key])
-    else:
-        value = _LLADA_FIXED[key][1]
-        given = f"missing, so LLaDA's default {json.dumps(value)}"
-    if value is not None:
-        return value, given
-    if key in _LLADA_TRUTH_TESTED:
-        return False, f"{given}, which LLaDA's code reads as false"
-    if key == "bias_for_layer_norm":
-        include_bias = bool(raw.get("include_bias"))
-        return include_bias, f"{given}, so include_bias: {json.dumps(include_bias)}"
-    return None, f"{given}, which LLaDA's own code cannot build a model with"
-
-
-def _llada_config(raw: dict) -> PretrainedConfig:
-    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept.
-
-    A fixed setting is checked as LLaDA's own code reads it (``_llada_reading``), so ``"rope": null`` (no
-    rotary embeddings there) is refused rather than loaded with them.
-    """
-    readings = {key: _llada_reading(raw, key) for key in _LLADA_FIXED}
-    supported = {key: needed for key, (needed, _) in _LLADA_FIXED.items()}
-    unsupported = {k: raw.get(k, "<missing>") for k, (value, _) in readings.items() if value != supported[k]}
-    if unsupported:
-        why = "; ".join(f"{k!r} is {readings[k][1]} (Llama runs only {json.dumps(supported[k])})" for k in unsupported)
-        raise ValueError(
-            f"LLaDA config.json has settings transformers' Llama does not implement: {unsupported} ({why}) "
-            f"(supported: {supported}); refusing rather than loading a different model."
-        )
-    d_model, n_heads = raw["d_model"], raw["n_heads"]
-    n_kv_heads = raw.get("n_kv_heads") or (1 if raw.get("multi_query_attention") else n_heads)
-    config = LlamaConfig(
-        vocab_size=raw.get("embedding_size") or raw["vocab_size"],
-        hidden_size=d_model,
-        intermediate_size=raw.get("mlp_hidden_size") or raw["mlp_ratio"] * d_model,
-        num_hidden_layers=raw["n_layers"],
-        num_attention_heads=n_heads,
-        num_key_value_heads=n_kv_heads,
-        max_position_embeddings=raw["max_sequence_length"],
-        rms_norm_eps=raw["rms_norm_eps"],
-        rope_theta=raw["rope_theta"],
-        tie_word_embeddings=raw.get("weight_tying", False),
-        hidden_act="silu",
-        attention_bias=bool(raw.get("include_bias", False)),
-        mlp_bias=bool(raw.get("include_bias", False)),
-        attention_dropout=raw.get("attention_dropout", 0.0),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-        pad_token_id=raw.get("pad_token_id"),
-    )
-    config.mask_token_id = raw.get("mask_token_id")
-    return config
-
-
-_BLOCK = r"model\.transformer\.blocks\.(\d+)\."
-#: LLaDA-8B weight names -> LlamaForCausalLM's (LlamaModel drops the ``model.`` prefix itself).
-LLADA_KEY_MAPPING = {
-    r"model\.transformer\.wte\.": "model.embed_tokens.",
-    _BLOCK + r"q_proj\.": r"model.layers.\1.self_attn.q_proj.",
-    _BLOCK + r"k_proj\.": r"model.layers.\1.self_attn.k_proj.",
-    _BLOCK + r"v_proj\.": r"model.layers.\1.self_attn.v_proj.",
-    _BLOCK + r"attn_out\.": r"model.layers.\1.self_attn.o_proj.",
-    _BLOCK + r"ff_proj\.": r"model.layers.\1.mlp.gate_proj.",
-    _BLOCK + r"up_proj\.": r"model.layers.\1.mlp.up_proj.",
-    _BLOCK + r"ff_out\.": r"model.layers.\1.mlp.down_proj.",
-    _BLOCK + r"attn_norm\.": r"model.layers.\1.input_layernorm.",
-    _BLOCK + r"ff_norm\.": r"model.layers.\1.post_attention_layernorm.",
-    r"model\.transformer\.ln_f\.": "model.norm.",
-    r"model\.transformer\.ff_out\.": "lm_head.",
-}
-
-
 BACKBONES: dict[str, BackboneSpec] = {
     spec.model_type: spec
     for spec in (
@@ -187,10 +67,10 @@ BACKBONES: dict[str, BackboneSpec] = {
         BackboneSpec("gemma"),
         BackboneSpec("gemma2"),
         # Dream runs on transformers' Qwen2 classes, LLaDA on Llama's (its weights renamed by key_mapping).
-        BackboneSpec("Dream", map_config=_dream_config, tokenizer_class=Qwen2Tokenizer),
+        BackboneSpec("Dream", map_config=dream_config, tokenizer_class=Qwen2Tokenizer),
         BackboneSpec(
             "llada",
-            map_config=_llada_config,
+            map_config=llada_config,
             key_mapping=LLADA_KEY_MAPPING,
             tokenizer_class=PreTrainedTokenizerFast,
         ),
@@ -327,6 +207,39 @@ def check_attention(model: PreTrainedModel, expect_bidirectional: bool) -> None:
     logger.debug("Attention self-test passed (%s, relative change %.2e)", model.config._attn_implementation, delta)
 
 
+#: The config sizes that give a weight its shape (transformers' names), by a part of the weight's name.
+_SHAPE_FIELDS = (
+    (r"embed_tokens|lm_head", ("vocab_size", "hidden_size")),
+    (r"[kv]_proj", ("num_key_value_heads", "num_attention_heads", "hidden_size")),
+    (r"[qo]_proj", ("num_attention_heads", "hidden_size")),
+    (r"gate_proj|up_proj|down_proj", ("intermediate_size", "hidden_size")),
+)
+#: Their names in LLaDA's config.json.
+_LLADA_FIELDS = {
+    "vocab_size": "embedding_size",
+    "hidden_size": "d_model",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "intermediate_size": "mlp_hidden_size",
+}
+
+
+def _mismatch_message(name_or_path: str, spec: BackboneSpec, config: PretrainedConfig, mismatched) -> str:
+    """A weight whose shape config.json's sizes contradict, named with both shapes and the fields that set it."""
+    rows = sorted((key, tuple(saved), tuple(built)) for key, saved, built in mismatched)
+    key, saved, built = rows[0]
+    fields = next((f for pattern, f in _SHAPE_FIELDS if re.search(pattern, key)), ("hidden_size",))
+    names = _LLADA_FIELDS if spec.model_type == "llada" else {}
+    sizes = ", ".join(f"{names.get(f, f)} = {getattr(config, f, None)}" for f in fields)
+    more = f" ({len(rows) - 1} more weight(s) differ too)" if len(rows) > 1 else ""
+    defaults = ", LLaDA's defaults for keys it leaves out" if names else ""
+    return (
+        f"config.json of {name_or_path!r} does not match its weights: {key} has shape {list(saved)} in the "
+        f"weights, but config.json's sizes ({sizes}{defaults}) give it {list(built)}{more}. Correct config.json, "
+        "or load the weights it was written for."
+    )
+
+
 #: Weights of a causal-LM checkpoint that the encoder trunk leaves out (the LM head), by name.
 LM_HEAD_KEY = re.compile(r"(^|\.)lm_head\.")
 
@@ -382,9 +295,12 @@ def load_backbone(
         load_kwargs["device_map"] = device_map
     if spec.key_mapping:  # renames the LM head too (LLaDA's transformer.ff_out -> lm_head)
         load_kwargs["key_mapping"] = spec.key_mapping
+    load_kwargs["ignore_mismatched_sizes"] = True  # reported below in our words, then refused
     auto = AutoModelForCausalLM if lm_head else AutoModel
     with _own_load_report():
         model, info = auto.from_pretrained(name_or_path, use_safetensors=True, output_loading_info=True, **load_kwargs)
+    if info["mismatched_keys"]:
+        raise BackboneConfigError(_mismatch_message(name_or_path, spec, config, info["mismatched_keys"]))
     unexpected = sorted(k for k in info["unexpected_keys"] if lm_head or not LM_HEAD_KEY.search(k))
     if unexpected:  # the LM head of a *ForCausalLM checkpoint is expected to stay behind: not reported
         logger.warning("%s: %d tensor(s) not used by the model: %s", name_or_path, len(unexpected), unexpected[:5])

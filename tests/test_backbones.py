@@ -12,7 +12,13 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from diffusion_embedder import SUPPORTED_MODEL_TYPES, load_backbone
-from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_config, load_tokenizer
+from diffusion_embedder.backbones import (
+    AttentionSelfTestError,
+    BackboneConfigError,
+    check_attention,
+    load_config,
+    load_tokenizer,
+)
 
 DREAM_CASES = json.loads((DREAM_FIXTURE / "cases.json").read_text())
 LLADA_CASES = json.loads((LLADA_FIXTURE / "cases.json").read_text())
@@ -226,6 +232,50 @@ def test_llada_nulls_that_mean_the_same_model_load_the_same_config(tmp_path, edi
     reference, _ = load_config(str(LLADA_FIXTURE))
     config, _ = load_config(llada_folder(tmp_path, edits))
     assert config.to_dict() | {"_name_or_path": ""} == reference.to_dict() | {"_name_or_path": ""}
+
+
+@pytest.mark.parametrize(("key", "default"), [("rope_theta", 10000.0), ("rms_norm_eps", 1e-5)])
+def test_llada_missing_rope_theta_or_norm_eps_take_llada_defaults(tmp_path, key, default):
+    """Before, a bare KeyError; LLaDA's own code (``configuration_llada.ModelConfig``) has defaults for both."""
+    config, _ = load_config(llada_folder(tmp_path, {key: "<drop>"}))
+    assert (config.rms_norm_eps if key == "rms_norm_eps" else config.rope_parameters["rope_theta"]) == default
+
+
+#: Sizes that do not match the fixture's weights: (edit, the weight and its shape there, the fields, the shape built).
+LLADA_WRONG_SIZES = {
+    "d_model missing": (
+        {"d_model": "<drop>"},
+        "embed_tokens.weight has shape [1024, 64] in the weights",
+        "(embedding_size = 1024, d_model = 768, LLaDA's defaults for keys it leaves out) give it [1024, 768]",
+    ),
+    "mlp_hidden_size": (
+        {"mlp_hidden_size": 256},
+        "layers.0.mlp.down_proj.weight has shape [64, 192] in the weights",
+        "(mlp_hidden_size = 256, d_model = 64, LLaDA's defaults for keys it leaves out) give it [64, 256]",
+    ),
+    "n_heads": (
+        {"n_heads": 8},
+        "layers.0.self_attn.k_proj.weight has shape [64, 64] in the weights",
+        "(n_kv_heads = 4, n_heads = 8, d_model = 64, LLaDA's defaults for keys it leaves out) give it [32, 64]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LLADA_WRONG_SIZES)
+def test_llada_sizes_that_do_not_match_the_weights_name_field_weight_and_shapes(tmp_path, case):
+    """Before, a missing d_model was a bare KeyError and a wrong size transformers' ignore_mismatched_sizes error."""
+    edits, weight, sizes = LLADA_WRONG_SIZES[case]
+    folder = tmp_path / "llada"
+    shutil.copytree(LLADA_FIXTURE, folder)
+    with pytest.raises(BackboneConfigError) as caught:
+        load_backbone(llada_folder(folder, edits))
+    message = str(caught.value)
+    assert f"config.json of '{folder}' does not match its weights: {weight}" in message and sizes in message
+
+
+def test_llada_null_size_is_named(tmp_path):
+    with pytest.raises(BackboneConfigError, match="'d_model' is null, which LLaDA's own code cannot build a model"):
+        load_config(llada_folder(tmp_path, {"d_model": None}))
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -8,27 +8,34 @@ run folder.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG, torchrun
+from conftest import LLAMA_FIXTURE, ROOT, TINY_RUN_ID, TINY_TRAIN_CONFIG, torchrun
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from diffusion_embedder.training.arguments import ConfigError, load_config, validate
+from diffusion_embedder import cli
+from diffusion_embedder.backbones import BackboneConfigError
+from diffusion_embedder.data import DataFormatError
+from diffusion_embedder.data.hub import DatasetUnavailableError
+from diffusion_embedder.training import checkpoints, lm
+from diffusion_embedder.training.arguments import SUPERVISED, ConfigError, load_config, validate
 from diffusion_embedder.training.checkpoints import (
     COMPLETE_MARKER,
     TRAIN_CONFIG,
     TRAINABLE_WEIGHTS,
     CheckpointError,
+    CheckpointWriteError,
     find_last_checkpoint,
     required_files,
     validate_checkpoint,
 )
-from diffusion_embedder.training.runner import fit
+from diffusion_embedder.training.runner import fit, run_cli
 from diffusion_embedder.training.supervised import build_trainer, start_run, train
 from diffusion_embedder.training.trainer import NonFiniteLossError
 
@@ -225,6 +232,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, monkeypatch):
         ("warmup_steps", -1, "warmup_steps: must be >= 0"),
         ("max_train_samples", 0, "max_train_samples: must be >= 1"),
         ("save_steps", 0, "save_steps: must be > 0"),
+        ("simcse_dropout", 1.5, "simcse_dropout: must be < 1, got 1.5"),  # transformers raised mid-training
+        ("simcse_dropout", -0.1, "simcse_dropout: must be >= 0"),
         ("eval_strategy", "steps", "eval_strategy: 'steps' is not supported (there is no evaluation during training"),
     ],
 )
@@ -233,3 +242,148 @@ def test_out_of_range_setting_is_refused_with_the_config(key, value, expected):
     with pytest.raises(ConfigError) as err:
         validate({**values, key: value})
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("max_seq_length", 1, "max_seq_length: must be >= 2, got 1"),  # failed after the model loaded
+        ("mlm_probability", 0, "mlm_probability: must be > 0"),
+        ("mlm_probability", 1.5, "mlm_probability: must be <= 1"),
+        ("mdm_eps", 1, "mdm_eps: must be < 1"),
+        ("lora_dropout", 1.0, "lora_dropout: must be < 1"),
+    ],
+)
+def test_lm_stage_lengths_and_probabilities_are_refused_before_the_model_loads(
+    key, value, expected, tmp_path, monkeypatch, caplog
+):
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded for an invalid config")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(lm, "build_model", must_not_load)
+    argv = ["mntp", "train_configs/tiny/mntp.json", "--output_dir", str(tmp_path), "--report_to", "none"]
+    assert cli.main([*argv, f"--{key}", json.dumps(value)]) == 2
+    assert expected in caplog.text and not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- LoRA targets
+
+LORA_STAGES = {
+    "train": "train_configs/tiny/custom.json",
+    "mntp": "train_configs/tiny/mntp.json",
+    "simcse": "train_configs/tiny/simcse.json",
+}
+
+
+@pytest.mark.parametrize("stage", LORA_STAGES)
+def test_a_lora_target_that_matches_no_layer_is_refused(stage, tmp_path, monkeypatch, caplog):
+    """Before, peft dropped the misspelt name (it only complains when no name matches) and trained on q_proj."""
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "out"
+    argv = [stage, LORA_STAGES[stage], "--output_dir", str(out), "--report_to", "none"]
+    argv += ["--model_name_or_path", str(LLAMA_FIXTURE), "--lora_target_modules", '["q_proj", "nonexistent_proj"]']
+    assert cli.main(argv) == 2
+    assert "lora_target_modules: 'nonexistent_proj' match(es) no Linear layer of" in caplog.text
+    assert "its Linear layers are named down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj" in caplog.text
+    assert not out.exists() or not any(out.rglob("*"))  # the claimed run folder is removed again
+
+
+@pytest.mark.parametrize("fault", ["bad data", "bad LoRA target"])
+def test_overwrite_output_dir_loses_nothing_when_the_new_run_cannot_start(used_copy, tmp_path, fault):
+    """The old run is deleted only once the new one has read its data and built its model."""
+    run = used_copy / TINY_RUN_ID
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    if fault == "bad data":
+        data = tmp_path / "bad.jsonl"
+        data.write_bytes(b"\xff\xfe not UTF-8\n")
+        problem, overrides = DataFormatError, ["--dataset_file_path", str(data)]
+    else:
+        problem, overrides = ConfigError, ["--lora_target_modules", '["q_prj"]']
+    with pytest.raises(problem):
+        train(tiny_config(used_copy, "--lora_r", "8", "--overwrite_output_dir", *overrides))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert find_last_checkpoint(run) == str(run / "checkpoint-6")
+
+
+# ---------------------------------------------------------------- a checkpoint that cannot be written
+
+#: What torch.save raised when the disk filled up during a checkpoint (it names no file and no reason).
+TORCH_WRITE_ERROR = (
+    "[enforce fail at inline_container.cc:664] . unexpected pos 512 vs 400\nbasic_ios::clear: iostream error"
+)
+
+
+@pytest.mark.parametrize("failure", ["ENOSPC from safetensors", "torch's iostream error"])
+def test_a_failed_checkpoint_write_is_named_and_resume_is_exact(used_run, tmp_path, monkeypatch, failure):
+    """Before, the run died with torch's "basic_ios::clear: iostream error" and never said the disk was full."""
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / TINY_RUN_ID
+    half = run / "checkpoint-4"
+    if failure.startswith("ENOSPC"):
+        real = checkpoints.save_file
+
+        def full_disk(tensors, path, *args, **kwargs):
+            if str(half) in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real(tensors, path, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoints, "save_file", full_disk)
+    else:
+        real = torch.save
+
+        def failing_stream(obj, path, *args, **kwargs):
+            if str(half) in str(path) and str(path).endswith("optimizer.pt"):
+                raise RuntimeError(TORCH_WRITE_ERROR)
+            return real(obj, path, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", failing_stream)
+    with pytest.raises(CheckpointWriteError) as err:
+        train(tiny_config(tmp_path))
+    message = str(err.value)
+    assert message.startswith(f"Writing {half} failed: ")
+    why = "the disk is full (No space left on device)" if failure.startswith("ENOSPC") else "the write failed ("
+    assert why in message and "free on its file system now" in message
+    assert f"It has no {COMPLETE_MARKER} (that file is written last), so a resume never uses it" in message
+    assert f"resume_from_checkpoint last: it continues from the newest complete checkpoint, {run / 'checkpoint-2'}" in (
+        message
+    )
+    assert find_last_checkpoint(run) == str(run / "checkpoint-2") and not (half / COMPLETE_MARKER).exists()
+    monkeypatch.undo()
+    monkeypatch.chdir(ROOT)
+    resumed = Path(train(tiny_config(tmp_path, "--resume_from_checkpoint", "last")))
+    assert_same_weights(trainable(resumed), trainable(used_run))
+
+
+# ---------------------------------------------------------------- exit statuses
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (ConfigError("lora_r: must be >= 1, got 0"), 2),
+        (DataFormatError("data.jsonl:2: not valid UTF-8"), 2),
+        (DatasetUnavailableError("dataset_name 'x' is not in the local datasets cache"), 2),
+        (FileNotFoundError("train_file not found: x.txt"), 2),
+        (BackboneConfigError("config.json of 'm' does not match its weights"), 2),
+        (NonFiniteLossError("Loss is nan at optimizer step 3"), 1),
+        (CheckpointWriteError("Writing checkpoint-4 failed: the disk is full"), 1),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value),
+)
+def test_errors_in_our_words_exit_with_their_status_and_one_message(error, status, caplog):
+    """Before, only ConfigError and NonFiniteLossError were caught: a data error printed a traceback, exit 1."""
+
+    def start(argv):
+        raise error
+
+    assert run_cli(["c.json"], "usage", SUPERVISED, start) == status
+    assert str(error) in caplog.text and "Traceback" not in caplog.text
+
+
+def test_unexpected_errors_keep_their_traceback():
+    def start(argv):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        run_cli(["c.json"], "usage", SUPERVISED, start)

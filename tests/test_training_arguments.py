@@ -150,6 +150,65 @@ def test_shipped_configs_validate(path):
     assert cfg.training.output_dir
 
 
+#: The paper's configs (``train_configs/<stage>/<Model>[_task].json``) and the family of their model.
+PAPER_CONFIGS = sorted(
+    p for stage in ("supervised", "mntp", "mdm", "simcse") for p in (ROOT / "train_configs" / stage).glob("*.json")
+)
+FAMILY_OF = {
+    "Dream": "Dream",
+    "LLaDA": "llada",
+    "MetaLlama3": "llama",
+    "Mistral": "mistral",
+    "Qwen2": "qwen2",
+    "Qwen3": "qwen3",
+    "Gemma2": "gemma2",
+}
+
+
+def test_paper_configs_name_an_attention_kernel_that_runs_here(family_checkpoint):
+    """17 of them named flash_attention_2, which stops every machine without flash-attn; each now names a
+    kernel this machine has, and a tiny checkpoint of its model's family loads with it."""
+    from diffusion_embedder.backbones import load_backbone
+    from diffusion_embedder.training.schema import requirement_errors
+
+    assert len(PAPER_CONFIGS) == 28
+    kernels = {}
+    for path in PAPER_CONFIGS:
+        values = json.loads(path.read_text())
+        assert not requirement_errors(values), path
+        kernels[(FAMILY_OF[path.stem.split("_")[0]], values.get("attn_implementation", "sdpa"))] = path
+    for family, kernel in kernels:
+        model = load_backbone(str(family_checkpoint(family)), attn_implementation=kernel)
+        assert model.config._attn_implementation == kernel, (family, kernel)
+
+
+@pytest.mark.parametrize(
+    ("stage", "config"), [("train", "supervised/Qwen2_theorem.json"), ("mntp", "mntp/Qwen2.json")]
+)
+def test_flash_attention_where_it_is_missing_stops_with_the_fix(stage, config, tmp_path, monkeypatch, caplog):
+    """A kernel we cannot honour stops the run with the config, naming field, file and fix; no fallback."""
+    import transformers.utils
+
+    from diffusion_embedder import cli
+    from diffusion_embedder.training import lm
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(run_module, "prepare_encoder", must_not_load)
+    monkeypatch.setattr(lm, "build_model", must_not_load)
+    monkeypatch.chdir(ROOT)
+    path = f"train_configs/{config}"
+    argv = [stage, path, "--attn_implementation", "flash_attention_2", "--output_dir", str(tmp_path), "--bf16", "false"]
+    assert cli.main(argv) == 2
+    assert f"Invalid training config {path}:" in caplog.text
+    assert "attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA GPU" in caplog.text
+    assert "which this machine lacks (no other kernel is used instead)" in caplog.text
+    assert '"attn_implementation": "sdpa" in the config' in caplog.text and "--attn_implementation sdpa" in caplog.text
+    assert not any(tmp_path.iterdir())
+
+
 def test_paper_configs_carry_section9_hyperparameters():
     def load(name):
         return load_config(ROOT / "train_configs" / "supervised" / f"{name}.json", ["--bf16", "false"])

@@ -78,10 +78,14 @@ def read_texts(
     return texts
 
 
+#: The shortest block the LM objectives can train on (MNTP and CLM predict a token from the one before).
+MIN_BLOCK_LENGTH = 2
+
+
 def group_into_blocks(token_lists: Sequence[Sequence[int]], block_size: int) -> list[list[int]]:
     """Concatenate every text's tokens and cut blocks of ``block_size``, dropping the remainder."""
-    if block_size < 2:
-        raise ValueError(f"block size (max_seq_length) must be >= 2, got {block_size}")
+    if block_size < MIN_BLOCK_LENGTH:
+        raise ValueError(f"block size (max_seq_length) must be >= {MIN_BLOCK_LENGTH}, got {block_size}")
     flat = list(chain.from_iterable(token_lists))
     return [flat[i : i + block_size] for i in range(0, len(flat) - block_size + 1, block_size)]
 

@@ -75,7 +75,7 @@ class LoraArguments:
 
 @dataclass(kw_only=True)
 class RunArguments:
-    """Run control (every stage): the run folder's name, stopping early, starting afresh."""
+    """Run control (every stage): the run folder's name and claim, stopping early, starting afresh."""
 
     stop_after_n_steps: int | None = field(
         default=10000, metadata={"help": "Stop (and checkpoint) after this many optimizer steps; null: never."}
@@ -83,6 +83,10 @@ class RunArguments:
     experiment_id: str | None = field(default=None, metadata={"help": "Run folder name; None = derived id."})
     overwrite_output_dir: bool = field(
         default=False, metadata={"help": "Start afresh in a run folder that holds checkpoints (deletes them)."}
+    )
+    break_run_claim: bool = field(
+        default=False,
+        metadata={"help": "Take over a run folder claimed by a run on another host that has ended (run_claim.json)."},
     )
 
 

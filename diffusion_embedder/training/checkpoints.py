@@ -16,10 +16,14 @@ with the same config, except the keys in ``RESUME_MAY_DIFFER``.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -44,6 +48,7 @@ RESUME_MAY_DIFFER = frozenset(
     {
         "resume_from_checkpoint",
         "overwrite_output_dir",
+        "break_run_claim",
         "output_dir",
         "experiment_id",
         "stop_after_n_steps",
@@ -129,13 +134,77 @@ def write_config(folder: str | os.PathLike, config: dict[str, Any]) -> None:
 
 
 def write_complete_marker(folder: str | os.PathLike, global_step: int, world_size: int) -> None:
-    """Called once every other file of the checkpoint is on disk (every rank's)."""
-    with open(os.path.join(folder, COMPLETE_MARKER), "w", encoding="utf-8") as f:
+    """Called once every other file of the checkpoint is on disk (every rank's). Written whole or not at all
+    (a temporary file renamed), so a failed write never leaves a marker behind."""
+    path = os.path.join(folder, COMPLETE_MARKER)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
         json.dump({"global_step": global_step, "world_size": world_size}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed exactly; the message names the file and what to do."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint or the final model could not be written (disk full, I/O error); the run stopped there."""
+
+
+#: What torch's and safetensors' writers say when a write fails: they raise RuntimeError / SafetensorError,
+#: not OSError, and torch's "basic_ios::clear: iostream error" gives no reason.
+_FAILED_WRITE = (
+    "iostream error", "file write failed", "PytorchStreamWriter", "inline_container", "Error while serializing"
+)
+_DISK_FULL = ("No space left on device", "StorageFull")
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a write failed, in words, if ``err`` is a failed write (else None: some other error)."""
+    text = str(err)
+    if (isinstance(err, OSError) and err.errno == errno.ENOSPC) or any(m in text for m in _DISK_FULL):
+        return "the disk is full (No space left on device)"
+    if isinstance(err, OSError):
+        return f"the write failed ({err.strerror or text})"
+    if any(m in text for m in _FAILED_WRITE):
+        return f"the write failed ({text.strip().splitlines()[-1][:200]}; torch does not say why, often a full disk)"
+    return None
+
+
+def _free_space(folder: str | os.PathLike) -> str:
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.0f} MiB"
+    except OSError:
+        return "unknown space"
+
+
+@contextmanager
+def writing(folder: str | os.PathLike, run_dir: str | os.PathLike) -> Iterator[None]:
+    """Turn a failed write into ``folder`` (a checkpoint of ``run_dir``, or the final model there) into a
+    ``CheckpointWriteError`` naming the folder, why, and how to resume; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as err:
+        why = write_failure(err)
+        if why is None:
+            raise
+        last = find_last_checkpoint(run_dir)
+        start = f"the newest complete checkpoint, {last}" if last else "the start (there is no complete checkpoint)"
+        unused = (
+            f"It has no {COMPLETE_MARKER} (that file is written last), so a resume never uses it; delete it to "
+            "free space."
+            if os.path.abspath(folder) != os.path.abspath(run_dir)
+            else "The run's checkpoints are complete up to the last one written."
+        )
+        raise CheckpointWriteError(
+            f"Writing {folder} failed: {why}; {_free_space(folder)} free on its file system now. {unused} "
+            f"Free some space (or move {run_dir} to a disk with room), then resume with "
+            f"--resume_from_checkpoint last: it continues from {start}."
+        ) from err
 
 
 def rng_files(world_size: int) -> list[str]:

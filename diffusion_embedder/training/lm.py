@@ -28,6 +28,7 @@ from transformers import TrainingArguments
 
 from diffusion_embedder import backbones
 from diffusion_embedder.data import load_text_blocks, read_texts
+from diffusion_embedder.data.text import MIN_BLOCK_LENGTH
 from diffusion_embedder.objectives import (
     MASK_TOKEN_TYPES,
     MNTP_COLLATORS,
@@ -90,7 +91,11 @@ class LMStageArguments(RunArguments, LoraArguments, BackboneArguments):
 
 LM_STAGE = StageSchema(
     classes=(LMStageArguments, TrainingArguments),
-    ranges={"mlm_probability": ((0, False), (1, True)), "mdm_eps": ((0, False), (1, False))},
+    ranges={
+        "max_seq_length": ((MIN_BLOCK_LENGTH, True), None),
+        "mlm_probability": ((0, False), (1, True)),
+        "mdm_eps": ((0, False), (1, False)),
+    },
 )
 
 
@@ -228,9 +233,9 @@ def train(values: dict[str, Any], source: str = "config") -> str:
     problems = data_problems(args)
     if problems:
         raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(problems))
-    run_id = args.experiment_id or experiment_id(args, t)
-    resume = open_run(t, run_id, dict(values), args.overwrite_output_dir, LM_STAGE.classes)
+    # the text first: a bad data file stops the run before its folder is touched
     texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
+    run = open_run(t, args.experiment_id or experiment_id(args, t), dict(values), args, LM_STAGE.classes)
 
     def build() -> LMStageTrainer:
         objective = OBJECTIVES[args.objective]
@@ -248,7 +253,7 @@ def train(values: dict[str, Any], source: str = "config") -> str:
             run_config=dict(values),
         )
 
-    return fit_built(build, resume, args.stop_after_n_steps)
+    return fit_built(build, run, args.stop_after_n_steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,11 @@
-"""The run lifecycle every training stage shares: open the run (seed, run folder, the checkpoint to
-resume from, the folder's ownership), fit, and the command-line entry with its exit status.
+"""The run lifecycle every training stage shares: open the run (seed, the run folder claimed, the
+checkpoint to resume from, the folder's ownership), fit, and the command-line entry with its exit status.
 
-Order matters: a stage validates its config first (no model is loaded for a bad config), then opens
-the run (``open_run``: still no model), then reads its data and builds its ``RunTrainer`` (a model, a
-collator and a loss), then trains (``fit``). The stages: ``supervised.py``, ``simcse.py``, ``lm.py``.
+Order matters, so that a run that cannot start loses nothing and leaves nothing: a stage validates its
+config (no model is loaded for a bad config), reads its data (a bad file stops the run before its folder
+is touched), opens the run (``open_run``: still no model), builds its ``RunTrainer`` (a model, a
+collator and a loss), and only then, in ``fit``, deletes the old run ``overwrite_output_dir`` replaces
+and trains. The stages: ``supervised.py``, ``simcse.py``, ``lm.py``.
 """
 
 from __future__ import annotations
@@ -14,23 +16,29 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from transformers import TrainingArguments, set_seed
 
-from diffusion_embedder.training.arguments import ARGUMENT_CLASSES
+from diffusion_embedder.backbones import BackboneConfigError
+from diffusion_embedder.data import DataFormatError
+from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, RunArguments
 from diffusion_embedder.training.checkpoints import (
     RESUME_MAY_DIFFER,
     TRAIN_CONFIG,
     CheckpointError,
+    CheckpointWriteError,
     config_differences,
     find_last_checkpoint,
     is_complete_checkpoint,
     list_checkpoints,
     read_config,
     validate_checkpoint,
+    writing,
 )
+from diffusion_embedder.training.claim import FolderClaim, claim_run
 from diffusion_embedder.training.schema import ConfigError, StageSchema
 from diffusion_embedder.training.trainer import NonFiniteLossError, RunTrainer, StopAfterNStepsCallback
 
@@ -99,15 +107,16 @@ def resolve_resume(
     return path
 
 
-def claim_run_folder(
+def check_run_folder(
     output_dir: str, config: dict[str, Any], overwrite: bool, classes: tuple[type, ...] = ARGUMENT_CLASSES
-) -> None:
+) -> list[str]:
     """A run folder belongs to one run: a fresh start in a folder holding another run's checkpoints (or
-    its final record) stops, unless ``overwrite`` (then they are deleted first)."""
+    its final record) stops, unless ``overwrite``. Returns what a fresh start replaces (``OpenRun.replace_old``
+    deletes it once the data and the model are ready, so a run that fails before then loses nothing)."""
     checkpoints = list_checkpoints(output_dir)
     record = os.path.join(output_dir, TRAIN_CONFIG)
     if not checkpoints and not os.path.isfile(record):
-        return
+        return []
     held = f"{len(checkpoints)} checkpoint(s), newest {checkpoints[0]}" if checkpoints else f"a finished run ({record})"
     if not overwrite:
         same = os.path.isfile(record) and not config_differences(read_config(output_dir), config, classes=classes)
@@ -116,61 +125,111 @@ def claim_run_folder(
             f"{output_dir} already holds {held} of {what}. Continue it with --resume_from_checkpoint last, start "
             "this run under another output_dir or experiment_id, or pass --overwrite_output_dir to delete them."
         )
-    if int(os.environ.get("RANK", "0")) == 0:  # one process deletes, on a shared file system too
-        logger.warning("overwrite_output_dir: deleting %s in %s.", held, output_dir)
-        for path in checkpoints:
-            shutil.rmtree(path)
-        if os.path.isfile(record):
-            os.remove(record)
+    logger.warning("overwrite_output_dir: %s in %s will be deleted when training starts.", held, output_dir)
+    return [*checkpoints, record] if os.path.isfile(record) else checkpoints
+
+
+@dataclass
+class OpenRun:
+    """A run ``open_run`` opened: its folder, the checkpoint it resumes (None: a fresh start), the folder's
+    claim (released by ``close``; ``with run:`` closes it) and the old run a fresh start replaces."""
+
+    folder: str
+    resume: str | None
+    claim: FolderClaim
+    replaces: list[str] = field(default_factory=list)
+
+    def replace_old(self) -> None:
+        """Delete the old run ``overwrite_output_dir`` replaces (one process; the others wait for it)."""
+        if self.replaces and self.claim.held:
+            logger.warning("overwrite_output_dir: deleting %s.", ", ".join(self.replaces))
+            for path in self.replaces:
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+        self.replaces = []
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        self.claim.release()
+
+    def __enter__(self) -> OpenRun:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def open_run(
     args: TrainingArguments,
     run_id: str,
     config: dict[str, Any],
-    overwrite: bool,
+    run: RunArguments,
     classes: tuple[type, ...] = ARGUMENT_CLASSES,
-) -> str | None:
-    """Any stage: seed, run folder ``args.output_dir/run_id``, the validated checkpoint to resume from
-    (None: a fresh run) and the folder's ownership, all before any model loads. ``config`` is the
-    run's config record (compared with a resumed checkpoint's; keys it leaves out count as their
+) -> OpenRun:
+    """Any stage: seed, run folder ``args.output_dir/run_id`` claimed for this run (``claim.py``), the
+    validated checkpoint to resume from and the folder's ownership, all before any model loads. ``config``
+    is the run's config record (compared with a resumed checkpoint's; keys it leaves out count as their
     defaults in the stage's argument ``classes``)."""
     set_seed(args.seed)
     args.output_dir = os.path.join(args.output_dir, run_id)
-    if overwrite and args.resume_from_checkpoint not in (None, "", "false", "none"):
+    if run.overwrite_output_dir and args.resume_from_checkpoint not in (None, "", "false", "none"):
         raise ConfigError(
             f"overwrite_output_dir starts a new run; it cannot be combined with "
             f"resume_from_checkpoint={args.resume_from_checkpoint!r}."
         )
-    resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, config, args.world_size, classes)
-    if resume is None:
-        claim_run_folder(args.output_dir, config, overwrite, classes)
+    claim = claim_run(args.output_dir, run.break_run_claim)
+    try:
+        resume = resolve_resume(args.resume_from_checkpoint, args.output_dir, config, args.world_size, classes)
+        replaces = [] if resume else check_run_folder(args.output_dir, config, run.overwrite_output_dir, classes)
+    except BaseException:
+        claim.release()
+        raise
     logger.info("Run folder %s%s", args.output_dir, f", resuming from {resume}" if resume else "")
-    return resume
+    return OpenRun(args.output_dir, resume, claim, replaces)
 
 
-def fit(trainer: RunTrainer, resume: str | None, stop_after_n_steps: int | None) -> str:
-    """Train (resuming from ``resume``), save the final model at the run folder's root; returns it."""
+def fit(trainer: RunTrainer, run: OpenRun, stop_after_n_steps: int | None) -> str:
+    """Train (resuming from ``run.resume``, after deleting the old run it replaces), save the final model at
+    the run folder's root; returns it."""
     if stop_after_n_steps is not None:
         trainer.add_callback(StopAfterNStepsCallback(stop_after_n_steps))
-    trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(trainer.args.output_dir)
+    run.replace_old()
+    trainer.train(resume_from_checkpoint=run.resume)
+    with writing(trainer.args.output_dir, trainer.args.output_dir):
+        trainer.save_model(trainer.args.output_dir)
     return trainer.args.output_dir
 
 
-def fit_built(build: Callable[[], RunTrainer], resume: str | None, stop_after_n_steps: int | None) -> str:
-    """``fit`` the trainer ``build`` returns, then drop it: DDP's reducer must be gone before the process
-    group is destroyed (gloo aborts otherwise)."""
-    trainer = build()
-    try:
-        return fit(trainer, resume, stop_after_n_steps)
-    finally:
-        del trainer
-        gc.collect()
+def fit_built(build: Callable[[], RunTrainer], run: OpenRun, stop_after_n_steps: int | None) -> str:
+    """``fit`` the trainer ``build`` returns, then drop it (DDP's reducer must be gone before the process
+    group is destroyed: gloo aborts otherwise) and release the run folder, however the run ended."""
+    with run:
+        trainer = build()
+        try:
+            return fit(trainer, run, stop_after_n_steps)
+        finally:
+            del trainer
+            gc.collect()
+
+
+#: Errors in our own words, each naming what to fix: logged as one message, no traceback. Exit status 2: the
+#: run could not start (config, data, model files, a busy run folder); 1: it stopped part-way and can be
+#: resumed (a NaN/inf loss, a checkpoint that could not be written). Anything else is a bug: a traceback.
+EXIT_STATUS: dict[type[Exception], int] = {
+    ConfigError: 2,
+    DataFormatError: 2,
+    FileNotFoundError: 2,  # our readers' (files.check_file, DatasetUnavailableError): the setting and the path
+    BackboneConfigError: 2,
+    NonFiniteLossError: 1,
+    CheckpointWriteError: 1,
+}
 
 
 def run_cli(argv: list[str] | None, usage: str, schema: StageSchema, start: Callable[[list[str]], object]) -> int:
-    """Shared entry of every training stage: exit status 0 on success, 2 for a bad config, 1 for a diverged run.
+    """Shared entry of every training stage: exit status 0 on success, else ``EXIT_STATUS``'s.
 
     ``--help`` prints ``usage`` and the fields of the stage's ``schema``; ``start`` receives
     ``[CONFIG.json, --key value ...]`` and runs the stage.
@@ -184,12 +243,9 @@ def run_cli(argv: list[str] | None, usage: str, schema: StageSchema, start: Call
         return 0 if argv else 2
     try:
         start(argv)
-    except ConfigError as err:
+    except tuple(EXIT_STATUS) as err:
         logger.error("%s", err)
-        return 2
-    except NonFiniteLossError as err:
-        logger.error("%s", err)
-        return 1
+        return next(status for kind, status in EXIT_STATUS.items() if isinstance(err, kind))
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -41,8 +41,8 @@ RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] =
     "lora_alpha": ((0, False), None),
     "lora_dropout": ((0, True), (1, False)),
     "learning_rate": ((0, False), None),
-    "max_seq_length": ((1, True), None),  # the LM stages' block length (supervised: EncoderConfig's max_length)
     "grad_cache_chunk_size": ((1, True), None),
+    "simcse_dropout": ((0, True), (1, False)),  # the backbone's attention dropout probability
     "pack_length": ((1, True), None),
     "stop_after_n_steps": ((1, True), None),
     "num_negatives": ((0, True), None),
@@ -66,6 +66,19 @@ _NO_EVAL = "there is no evaluation during training yet; evaluate checkpoints wit
 #: Settings we accept in the config but cannot honour yet: the only value allowed, and why.
 UNSUPPORTED = {"eval_strategy": ("no", _NO_EVAL), "do_eval": (False, _NO_EVAL)}
 
+#: Values that need what a machine may lack: ``(field, value) -> (transformers.utils check, what it needs)``.
+#: Such a value stops the run here, with the config; it never falls back to another kernel.
+REQUIREMENTS = {
+    ("attn_implementation", "flash_attention_2"): (
+        "is_flash_attn_2_available",
+        "the flash-attn package and a CUDA GPU",
+    ),
+    ("attn_implementation", "flash_attention_3"): (
+        "is_flash_attn_3_available",
+        "FlashAttention 3 (flash_attn_interface) and a CUDA GPU",
+    ),
+}
+
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
 
@@ -87,6 +100,21 @@ def range_errors(values: dict[str, Any], ranges: dict[str, tuple] = RANGES) -> l
     for name, (allowed, why) in UNSUPPORTED.items():
         if name in values and values[name] != allowed:
             errors.append(f"{name}: {values[name]!r} is not supported ({why}); leave it at {allowed!r}")
+    return errors
+
+
+def requirement_errors(values: dict[str, Any]) -> list[str]:
+    """One message per value this machine cannot honour (``REQUIREMENTS``), naming the field and the fix."""
+    import transformers.utils
+
+    errors = []
+    for (name, value), (check, needs) in REQUIREMENTS.items():
+        if values.get(name) == value and not getattr(transformers.utils, check)():
+            errors.append(
+                f"{name}: {value!r} needs {needs}, which this machine lacks (no other kernel is used instead). "
+                f'Set "{name}": "sdpa" in the config (PyTorch\'s attention, as the shipped configs do) or pass '
+                f"--{name} sdpa; or install what it needs (pip install flash-attn --no-build-isolation)"
+            )
     return errors
 
 
@@ -214,7 +242,7 @@ class StageSchema:
         for name in REQUIRED_TRAINING:
             if values.get(name) is None:
                 errors.append(f"missing required field {name!r} (TrainingArguments)")
-        return errors + range_errors(values, {**RANGES, **self.ranges})
+        return errors + range_errors(values, {**RANGES, **self.ranges}) + requirement_errors(values)
 
     def validate(self, values: dict[str, Any], source: str = "config") -> list[Any]:
         """The argument objects, one per class, or a ``ConfigError`` listing every problem."""

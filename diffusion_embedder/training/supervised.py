@@ -1,9 +1,9 @@
 """The supervised contrastive stage: ``torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json
 [--key value ...]`` (also ``diffusion-embedder train``).
 
-The config is validated first (no model is loaded for a bad config), then the run is opened
-(``start_run``: run folder, checkpoint to resume from), then the data is read (a bad line stops the
-run before the model loads), then the encoder is built (``build_trainer``) and trained (``fit``).
+The config is validated first (no model is loaded for a bad config), then the data is read (a bad line
+stops the run before its folder is touched), then the run is opened (``start_run``: run folder claimed,
+checkpoint to resume from), then the encoder is built (``build_trainer``) and trained (``fit``).
 SimCSE (``simcse.py``) is this stage with its own defaults and checks.
 """
 
@@ -24,6 +24,7 @@ from diffusion_embedder.training.arguments import (
 )
 from diffusion_embedder.training.lora import add_lora, continue_adapter, enable_checkpointing, log_trainable
 from diffusion_embedder.training.runner import (
+    OpenRun,
     fit_built,
     global_batch_size,
     located,
@@ -104,15 +105,16 @@ def prepare_encoder(model_args: ModelArguments, custom: CustomArguments, trainin
     return encoder
 
 
-def start_run(cfg: TrainConfig) -> str | None:
+def start_run(cfg: TrainConfig) -> OpenRun:
     """``open_run`` for a supervised config."""
     run_id = cfg.custom.experiment_id or experiment_id(cfg)
-    return open_run(cfg.training, run_id, cfg.values, cfg.custom.overwrite_output_dir)
+    return open_run(cfg.training, run_id, cfg.values, cfg.custom)
 
 
-def build_trainer(cfg: TrainConfig) -> EncoderTrainer:
-    """The supervised stage: data, trainable encoder, loss and collator, each from its config fields."""
-    dataset, num_negatives = build_dataset(cfg)
+def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None = None) -> EncoderTrainer:
+    """The supervised stage: data (``build_dataset``'s, read here if not given), trainable encoder, loss and
+    collator, each from its config fields."""
+    dataset, num_negatives = data or build_dataset(cfg)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
     return EncoderTrainer(
         model=encoder,
@@ -128,8 +130,9 @@ def build_trainer(cfg: TrainConfig) -> EncoderTrainer:
 
 def train(cfg: TrainConfig) -> str:
     """Run one supervised training; returns the run folder (its root holds the final encoder)."""
-    resume = start_run(cfg)
-    return fit_built(lambda: build_trainer(cfg), resume, cfg.custom.stop_after_n_steps)
+    data = build_dataset(cfg)  # first: a bad data file stops the run before its folder is touched
+    run = start_run(cfg)
+    return fit_built(lambda: build_trainer(cfg, data), run, cfg.custom.stop_after_n_steps)
 
 
 def main(argv: list[str] | None = None) -> int:

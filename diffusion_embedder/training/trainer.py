@@ -44,6 +44,7 @@ from diffusion_embedder.training.checkpoints import (
     save_trainable,
     write_complete_marker,
     write_config,
+    writing,
 )
 from diffusion_embedder.training.grad_cache import Features, grad_cache_step
 
@@ -187,12 +188,14 @@ class RunTrainer(Trainer):
         """Only finite weights are saved; the marker waits for the next finite loss (module docstring)."""
         self.check_trainable_finite()
         limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated once called good
+        run_dir = self._get_output_dir(trial)
         try:
-            super()._save_checkpoint(model, trial)
+            with writing(checkpoint_folder(run_dir, self.state.global_step), run_dir):
+                super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
         self.accelerator.wait_for_everyone()  # every rank's files (RNG states) are on disk
-        self._pending = (self._get_output_dir(trial), self.state.global_step)
+        self._pending = (run_dir, self.state.global_step)
 
     def _confirm_pending_checkpoint(self) -> None:
         """Write the completion marker of the checkpoint waiting for it, last, then rotate old ones out."""
@@ -201,7 +204,9 @@ class RunTrainer(Trainer):
         run_dir, step = self._pending
         self._pending = None
         if self.args.should_save:
-            write_complete_marker(checkpoint_folder(run_dir, step), step, self.args.world_size)
+            folder = checkpoint_folder(run_dir, step)
+            with writing(folder, run_dir):
+                write_complete_marker(folder, step, self.args.world_size)
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
