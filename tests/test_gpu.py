@@ -156,6 +156,15 @@ def test_grad_cache_with_activation_checkpointing_on_cuda(tmp_path):
     assert_same(step(checkpointed, inputs, 2, seed=3), chunked_direct(plain, inputs, 2, seed=3), atol=1e-4)
 
 
+def test_nan_check_reduces_a_cuda_tensor(tmp_path, monkeypatch):
+    """NCCL reduces CUDA tensors only: a CPU flag would stop every multi-GPU run at its first step."""
+    from test_training_step import check_reduces_on_the_ranks_device
+
+    trainer = built(tmp_path, "cuda")
+    assert trainer.args.device.type == "cuda"
+    check_reduces_on_the_ranks_device(trainer, monkeypatch)
+
+
 def dropout_stage(device: str) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.3), torch.nn.GELU()).to(device)
 
