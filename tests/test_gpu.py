@@ -12,15 +12,14 @@ import pytest
 import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
 from test_grad_cache import (
+    BOTH_DROPOUTS,
     DROPOUTS,
     PACK_LENGTH,
-    assert_dropout_is_live,
-    assert_replays_exactly,
-    assert_same,
-    batch,
     built,
-    chunked_direct,
-    step,
+    check_checkpointing,
+    check_equals_direct,
+    check_replays,
+    check_same_masks,
 )
 
 from diffusion_embedder import Encoder
@@ -121,39 +120,24 @@ def test_device_pool_over_every_gpu_equals_one_device():
 def test_grad_cache_replays_each_chunk_bit_for_bit_on_cuda(tmp_path, dropout, dtype, pack_length):
     trainer = built(tmp_path, "cuda", torch_dtype=dtype, **DROPOUTS[dropout])
     assert trainer.model.device.type == "cuda"
-    inputs = batch(trainer, pack_length)
-    assert_dropout_is_live(trainer, inputs)
-    for chunk in (2, 4):
-        assert_replays_exactly(trainer, inputs, chunk)
+    check_replays(trainer, pack_length)
 
 
 @pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
 def test_grad_cache_without_dropout_equals_the_direct_step_on_cuda(tmp_path, pack_length):
-    trainer = built(tmp_path, "cuda", lora_dropout=0.0)
-    inputs = batch(trainer, pack_length)
-    direct = step(trainer, inputs, None)
-    for chunk in (1, 4):
-        assert_same(step(trainer, inputs, chunk), direct, atol=1e-4)
+    check_equals_direct(built(tmp_path, "cuda", lora_dropout=0.0), pack_length, atol=1e-4)
 
 
 @pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
 @pytest.mark.parametrize("dropout", list(DROPOUTS))
 def test_grad_cache_with_dropout_equals_a_direct_step_with_the_same_masks_on_cuda(tmp_path, dropout, pack_length):
-    trainer = built(tmp_path, "cuda", **DROPOUTS[dropout])
-    inputs = batch(trainer, pack_length)
-    reference = chunked_direct(trainer, inputs, 2, seed=3)
-    other_masks = chunked_direct(trainer, inputs, 2, seed=4)
-    assert (reference[0] - other_masks[0]).abs() > 1e-4  # the masks matter here
-    assert_same(step(trainer, inputs, 2, seed=3), reference, atol=1e-4)
+    check_same_masks(built(tmp_path, "cuda", **DROPOUTS[dropout]), pack_length, atol=1e-4)
 
 
 def test_grad_cache_with_activation_checkpointing_on_cuda(tmp_path):
-    dropout = {"lora_dropout": 0.3, "simcse_dropout": 0.3}
-    plain = built(tmp_path / "plain", "cuda", **dropout)
-    checkpointed = built(tmp_path / "checkpointed", "cuda", gradient_checkpointing=True, **dropout)
-    inputs = batch(plain)
-    assert_replays_exactly(checkpointed, inputs, 2)
-    assert_same(step(checkpointed, inputs, 2, seed=3), chunked_direct(plain, inputs, 2, seed=3), atol=1e-4)
+    plain = built(tmp_path / "plain", "cuda", **BOTH_DROPOUTS)
+    checkpointed = built(tmp_path / "checkpointed", "cuda", gradient_checkpointing=True, **BOTH_DROPOUTS)
+    check_checkpointing(plain, checkpointed, atol=1e-4)
 
 
 def test_nan_check_reduces_a_cuda_tensor(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import randomize_lora_b
 from test_training_trainer import make_trainer
+from test_training_trainer import step_grads as step
 from torch import nn
 
 from diffusion_embedder.data import ContrastiveCollator
@@ -83,18 +84,6 @@ def assert_dropout_is_live(trainer: EncoderTrainer, inputs: dict) -> None:
     assert not torch.equal(a, b)
 
 
-def step(trainer: EncoderTrainer, inputs: dict, chunk: int | None, seed: int = 0) -> tuple:
-    """Loss and trainable gradients of one training step (``chunk`` None: the direct path)."""
-    model = trainer.model
-    model.zero_grad()
-    trainer.grad_cache_chunk_size = chunk
-    torch.manual_seed(seed)
-    loss = trainer.training_step(model, inputs)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad()
-    return loss, grads
-
-
 def chunked_direct(trainer: EncoderTrainer, inputs: dict, chunk: int, seed: int = 0) -> tuple:
     """The reference under dropout: every chunk forwarded once with its graph, in GradCache's order and
     from the same seed (so the same masks), then one loss and one backward."""
@@ -118,51 +107,67 @@ def assert_same(a: tuple, b: tuple, atol: float = 1e-5) -> None:
         torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=1e-4, msg=name)
 
 
-# ---------------------------------------------------------------- (a) the second forward is the first
-@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
-@pytest.mark.parametrize("dropout", list(DROPOUTS))
-def test_each_chunk_replays_its_first_forward_bit_for_bit(tmp_path, dropout, pack_length):
-    trainer = built(tmp_path, **DROPOUTS[dropout])
+# ---------------------------------------------------------------- the checks, on any device
+def check_replays(trainer: EncoderTrainer, pack_length: int | None) -> None:
+    """(a) the second forward is the first, bit for bit."""
     inputs = batch(trainer, pack_length)
     assert_dropout_is_live(trainer, inputs)
     for chunk in (2, 4):
         assert_replays_exactly(trainer, inputs, chunk)
 
 
-# ---------------------------------------------------------------- (b) no dropout: the direct step
-@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
-def test_without_dropout_grad_cache_equals_the_direct_step(tmp_path, pack_length):
-    trainer = built(tmp_path, lora_dropout=0.0)
+def check_equals_direct(trainer: EncoderTrainer, pack_length: int | None, atol: float = 1e-5) -> None:
+    """(b) without dropout: the direct step."""
     inputs = batch(trainer, pack_length)
     direct = step(trainer, inputs, None)
     for chunk in (1, 4):
-        assert_same(step(trainer, inputs, chunk), direct)
+        assert_same(step(trainer, inputs, chunk), direct, atol)
 
 
-# ---------------------------------------------------------------- (c) dropout: the same masks, chunk by chunk
-@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
-@pytest.mark.parametrize("dropout", list(DROPOUTS))
-def test_with_dropout_grad_cache_equals_a_direct_step_with_the_same_masks(tmp_path, dropout, pack_length):
-    trainer = built(tmp_path, **DROPOUTS[dropout])
+def check_same_masks(trainer: EncoderTrainer, pack_length: int | None, atol: float = 1e-5) -> None:
+    """(c) with dropout: a direct step taken chunk by chunk from the same seed."""
     inputs = batch(trainer, pack_length)
     reference = chunked_direct(trainer, inputs, 2, seed=3)
     other_masks = chunked_direct(trainer, inputs, 2, seed=4)
     assert (reference[0] - other_masks[0]).abs() > 1e-4  # the masks matter here
-    assert_same(step(trainer, inputs, 2, seed=3), reference)
+    assert_same(step(trainer, inputs, 2, seed=3), reference, atol)
 
 
-# ---------------------------------------------------------------- (d) with activation checkpointing
-def test_activation_checkpointing_keeps_the_replay_exact(tmp_path):
-    """Non-reentrant checkpointing restores the RNG state it saw at the (replayed) forward when it
+def check_checkpointing(plain: EncoderTrainer, checkpointed: EncoderTrainer, atol: float = 1e-5) -> None:
+    """(d) non-reentrant checkpointing restores the RNG state it saw at the (replayed) forward when it
     recomputes, so GradCache over a checkpointed model still trains on the loss's own masks."""
-    dropout = {"lora_dropout": 0.3, "simcse_dropout": 0.3}
-    plain = built(tmp_path / "plain", **dropout)
-    checkpointed = built(tmp_path / "checkpointed", gradient_checkpointing=True, **dropout)
-    backbone = checkpointed.model.model.base_model.model
-    assert backbone.is_gradient_checkpointing and not plain.model.model.base_model.model.is_gradient_checkpointing
     inputs = batch(plain)
     assert_replays_exactly(checkpointed, inputs, 2)
-    assert_same(step(checkpointed, inputs, 2, seed=3), chunked_direct(plain, inputs, 2, seed=3))
+    assert_same(step(checkpointed, inputs, 2, seed=3), chunked_direct(plain, inputs, 2, seed=3), atol)
+
+
+#: Both kinds of dropout at once, for (d).
+BOTH_DROPOUTS = {"lora_dropout": 0.3, "simcse_dropout": 0.3}
+
+
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+@pytest.mark.parametrize("dropout", list(DROPOUTS))
+def test_each_chunk_replays_its_first_forward_bit_for_bit(tmp_path, dropout, pack_length):
+    check_replays(built(tmp_path, **DROPOUTS[dropout]), pack_length)
+
+
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+def test_without_dropout_grad_cache_equals_the_direct_step(tmp_path, pack_length):
+    check_equals_direct(built(tmp_path, lora_dropout=0.0), pack_length)
+
+
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+@pytest.mark.parametrize("dropout", list(DROPOUTS))
+def test_with_dropout_grad_cache_equals_a_direct_step_with_the_same_masks(tmp_path, dropout, pack_length):
+    check_same_masks(built(tmp_path, **DROPOUTS[dropout]), pack_length)
+
+
+def test_activation_checkpointing_keeps_the_replay_exact(tmp_path):
+    plain = built(tmp_path / "plain", **BOTH_DROPOUTS)
+    checkpointed = built(tmp_path / "checkpointed", gradient_checkpointing=True, **BOTH_DROPOUTS)
+    backbone = checkpointed.model.model.base_model.model
+    assert backbone.is_gradient_checkpointing and not plain.model.model.base_model.model.is_gradient_checkpointing
+    check_checkpointing(plain, checkpointed)
 
 
 # ---------------------------------------------------------------- RandState
