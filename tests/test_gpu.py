@@ -1,4 +1,4 @@
-"""GPU checks (``make test-gpu``): dtypes, attention implementations, packing, device pool, GradCache RNG, 7B shapes.
+"""GPU checks (``make test-gpu``): dtypes, attention implementations, packing, device pool, GradCache, 7B shapes.
 
 Every test is marked ``gpu`` and skips without CUDA (CI never has one). ``bench/gpu.sh`` runs them
 first on a GPU machine, then the 7B benchmarks.
@@ -10,12 +10,23 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention, randomize_lora_b
+from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
+from test_grad_cache import (
+    BOTH_DROPOUTS,
+    DROPOUTS,
+    PACK_LENGTH,
+    built,
+    check_checkpointing,
+    check_equals_direct,
+    check_replays,
+    check_same_masks,
+)
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.backbones import AttentionSelfTestError, check_attention, load_backbone, set_bidirectional
 from diffusion_embedder.pooling import POOLING_MODES
 from diffusion_embedder.random_models import SHAPES_7B, random_encoder
+from diffusion_embedder.training.grad_cache import RandState, cuda_devices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -102,20 +113,78 @@ def test_device_pool_over_every_gpu_equals_one_device():
     assert torch.allclose(pooled, one, atol=1e-5, rtol=0)
 
 
-def test_grad_cache_with_cuda_rng_states_equals_direct_path(tmp_path):
-    """LoRA dropout on the GPU draws from the CUDA generator; GradCache must replay those states too."""
-    from test_training_trainer import assert_same, make_trainer, step_grads
-
-    trainer = make_trainer(tmp_path, lora_dropout=0.3, use_cpu=False)
+# --------------------------------------------------------------------------------------- GradCache on CUDA
+# The checks of tests/test_grad_cache.py on the GPU, where dropout draws from CUDA's counter-based generator.
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+@pytest.mark.parametrize(("dropout", "dtype"), [("lora", None), ("attention", None), ("lora", "bfloat16")])
+def test_grad_cache_replays_each_chunk_bit_for_bit_on_cuda(tmp_path, dropout, dtype, pack_length):
+    trainer = built(tmp_path, "cuda", torch_dtype=dtype, **DROPOUTS[dropout])
     assert trainer.model.device.type == "cuda"
-    randomize_lora_b(trainer.model, 0.05)
-    samples = [trainer.train_dataset[i] for i in range(6)]
-    inputs = trainer._prepare_inputs(trainer.data_collator(samples))
-    torch.cuda.manual_seed(0)
-    direct = step_grads(trainer, inputs, None)
-    for chunk in (2, 4):
-        torch.cuda.manual_seed(0)
-        assert_same(step_grads(trainer, inputs, chunk), direct, atol=1e-4)
+    check_replays(trainer, pack_length)
+
+
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+def test_grad_cache_without_dropout_equals_the_direct_step_on_cuda(tmp_path, pack_length):
+    check_equals_direct(built(tmp_path, "cuda", lora_dropout=0.0), pack_length, atol=1e-4)
+
+
+@pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
+@pytest.mark.parametrize("dropout", list(DROPOUTS))
+def test_grad_cache_with_dropout_equals_a_direct_step_with_the_same_masks_on_cuda(tmp_path, dropout, pack_length):
+    check_same_masks(built(tmp_path, "cuda", **DROPOUTS[dropout]), pack_length, atol=1e-4)
+
+
+def test_grad_cache_with_activation_checkpointing_on_cuda(tmp_path):
+    plain = built(tmp_path / "plain", "cuda", **BOTH_DROPOUTS)
+    checkpointed = built(tmp_path / "checkpointed", "cuda", gradient_checkpointing=True, **BOTH_DROPOUTS)
+    check_checkpointing(plain, checkpointed, atol=1e-4)
+
+
+def test_nan_check_reduces_a_cuda_tensor(tmp_path, monkeypatch):
+    """NCCL reduces CUDA tensors only: a CPU flag would stop every multi-GPU run at its first step."""
+    from test_training_step import check_reduces_on_the_ranks_device
+
+    trainer = built(tmp_path, "cuda")
+    assert trainer.args.device.type == "cuda"
+    check_reduces_on_the_ranks_device(trainer, monkeypatch)
+
+
+def dropout_stage(device: str) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.3), torch.nn.GELU()).to(device)
+
+
+class To(torch.nn.Module):
+    def __init__(self, device: str):
+        super().__init__()
+        self.device = device
+
+    def forward(self, x):
+        return x.to(self.device)
+
+
+def replays(model: torch.nn.Module, x: torch.Tensor) -> bool:
+    """A RandState over the model's devices makes a graph-building forward repeat a no-graph one."""
+    model.train()
+    state = RandState(cuda_devices(model, {"x": x}))
+    with torch.no_grad():
+        first = model(x)
+    with state:
+        second = model(x)
+    return torch.equal(first, second.detach()) and not torch.equal(model(x).detach(), first)
+
+
+def test_rand_state_replays_a_compiled_model_on_cuda():
+    """Inductor draws its dropout seeds from the CUDA generator: replaying it replays the masks."""
+    torch.manual_seed(0)
+    assert replays(torch.compile(dropout_stage("cuda")), torch.randn(8, 64, device="cuda"))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_rand_state_replays_every_device_the_model_spans():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(dropout_stage("cuda:0"), To("cuda:1"), dropout_stage("cuda:1"))
+    assert cuda_devices(model) == [0, 1]
+    assert replays(model, torch.randn(8, 64, device="cuda:0"))
 
 
 # --------------------------------------------------------------------------------------- 7B shapes

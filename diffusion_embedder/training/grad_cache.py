@@ -2,15 +2,26 @@
 
 The embeddings of every column are first computed without a graph, chunk by chunk; the loss and its
 gradient with respect to the embeddings are computed once; then each chunk is encoded again with a
-graph and back-propagated with its cached embedding gradient. Loss and gradients equal the direct
-path's. Dropout (LoRA's) is replayed exactly: the RNG state before each chunk's first forward is
-restored for its second forward.
+graph and back-propagated with its cached embedding gradient.
+
+What makes this exact is that each chunk's second forward reproduces its first bit for bit, so the
+cached gradient belongs to the embeddings the loss saw: the RNG states (CPU, and CUDA on every device
+the model or the inputs live on) before each chunk's first forward are restored for its second, so
+dropout (LoRA's, attention's) draws the same masks. Activation checkpointing keeps this: its
+recomputation restores the state it saw at the (replayed) forward. The gradients are then those of
+one direct step over the same chunks with the same masks; without dropout they are the direct path's
+(tests/test_grad_cache.py, and on CUDA tests/test_gpu.py). A whole-batch direct step with dropout
+draws other masks (one draw over the whole batch is not the per-chunk draws), so it is not a reference.
+
+Host synchronisation: splitting reads each column's shape from the device once (padded: one read of
+the row offsets; packed: one copy to the host and back), before any forward; nothing else here waits
+for the device.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,11 +31,21 @@ from diffusion_embedder.packing import is_packed, split_packed
 Features = dict[str, torch.Tensor]
 
 
-class RandState:
-    """The CPU and CUDA RNG states at construction; ``with state:`` replays them and restores afterwards."""
+def cuda_devices(*sources: nn.Module | Features) -> list[int]:
+    """The CUDA device indices of the parameters of the modules and of the tensors of the feature dicts."""
+    tensors: list[torch.Tensor] = []
+    for source in sources:
+        tensors.extend(source.parameters() if isinstance(source, nn.Module) else source.values())
+    found = {t.device for t in tensors if t.device.type == "cuda"}
+    return sorted({torch.cuda.current_device() if d.index is None else d.index for d in found})
 
-    def __init__(self, device: torch.device):
-        self.devices = [device] if device.type == "cuda" else []
+
+class RandState:
+    """The CPU RNG state and the CUDA RNG states of ``devices`` at construction; ``with state:`` replays
+    them and restores the states of before afterwards."""
+
+    def __init__(self, devices: Iterable[int] = ()):
+        self.devices = list(devices)
         self.cpu = torch.get_rng_state()
         self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
         self._fork = None
@@ -43,14 +64,18 @@ class RandState:
 def split_features(features: Features, chunk_size: int) -> list[Features]:
     """Chunks of ``chunk_size`` texts: padded rows cut to their own width, or packed texts packed again."""
     if is_packed(features):
-        return split_packed(features, chunk_size)
+        device = features["input_ids"].device
+        chunks = split_packed({k: v.cpu() for k, v in features.items()}, chunk_size)  # one copy, not one per text
+        return [{k: v.to(device) for k, v in chunk.items()} for chunk in chunks]
+    mask = features["attention_mask"]
+    rows, width = mask.shape
+    used = mask != 0
+    # first used column of each row (width - 1 for a row with no token, as for a chunk with none)
+    firsts = torch.where(used.any(dim=1), used.int().argmax(dim=1), width - 1).tolist()
     chunks = []
-    rows = features["input_ids"].shape[0]
     for start in range(0, rows, chunk_size):
-        chunk = {k: v[start : start + chunk_size] for k, v in features.items()}
-        used = chunk["attention_mask"].any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else chunk["attention_mask"].shape[1] - 1
-        chunks.append({k: v[:, first:] for k, v in chunk.items()})
+        first = min(firsts[start : start + chunk_size])
+        chunks.append({k: v[start : start + chunk_size, first:] for k, v in features.items()})
     return chunks
 
 
@@ -69,7 +94,7 @@ def grad_cache_step(
     ``accumulation_steps`` as the Trainer does for gradient accumulation.
     """
     chunks = [split_features(features, chunk_size) for features in columns]
-    device = columns[0]["input_ids"].device
+    devices = cuda_devices(model, *columns)
     states: list[list[RandState]] = []
     reps: list[torch.Tensor] = []
     with torch.no_grad():
@@ -77,7 +102,7 @@ def grad_cache_step(
             states.append([])
             parts = []
             for chunk in column:
-                states[-1].append(RandState(device))
+                states[-1].append(RandState(devices))
                 parts.append(model(chunk))
             reps.append(torch.cat(parts).detach().requires_grad_())
     loss = loss_of(reps)

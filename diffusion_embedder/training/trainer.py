@@ -96,9 +96,10 @@ class RunTrainer(Trainer):
             self.add_callback(EncoderTensorBoardCallback())
 
     # ------------------------------------------------------------------ NaN/inf stop
-    @staticmethod
-    def _any_rank(flag: bool) -> bool:
-        value = torch.tensor([float(flag)])
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` (a 0-d tensor) is set on any rank: the check's one host synchronisation. The
+        reduction runs on this rank's device (NCCL reduces CUDA tensors only)."""
+        value = flag.detach().to(self.args.device, torch.float32).reshape(1)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
@@ -119,7 +120,7 @@ class RunTrainer(Trainer):
 
     def check_finite(self, loss: torch.Tensor) -> None:
         """Stop every rank together on a non-finite loss, before any gradient reaches the weights."""
-        if not self._any_rank(not bool(torch.isfinite(loss.detach()).all())):
+        if not self._any_rank(~torch.isfinite(loss.detach()).all()):
             self._confirm_pending_checkpoint()
             return
         raise NonFiniteLossError(
@@ -130,9 +131,12 @@ class RunTrainer(Trainer):
     def check_trainable_finite(self) -> None:
         """Stop every rank together if a trainable tensor holds NaN/inf (no checkpoint is written then)."""
         model = self.accelerator.unwrap_model(self.model)
-        bad = [n for n, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
-        if not self._any_rank(bool(bad)):
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        flags = [torch.isfinite(p).all().to(self.args.device) for _, p in trainable]
+        finite = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool, device=self.args.device)
+        if not self._any_rank(~finite.all()):
             return
+        bad = [n for (n, _), ok in zip(trainable, finite.tolist(), strict=True) if not ok]
         raise NonFiniteLossError(
             f"Trainable tensors are not finite after optimizer step {self.state.global_step} "
             f"({', '.join(bad[:3]) or 'on another rank'}); no checkpoint was written for this step. {self._remedy()}"

@@ -1,0 +1,396 @@
+"""Smoke run of the real training entry points on one GPU: ``torchrun --nproc_per_node 1`` of the
+supervised stage and of the masked-diffusion (MDM) LM stage on a random checkpoint saved locally.
+
+    python bench/gpu_smoke_train.py --out DIR              # GPU: Qwen2.5-1.5B shape (Dream format), bf16
+    python bench/gpu_smoke_train.py --out DIR --dry-run    # CPU: tiny shape, float32 (what the test runs)
+
+What runs (every run is a real ``experiments/run_*.py`` under torchrun, from a JSON config):
+
+1. a random checkpoint in the Dream layout (Qwen2 weights as safetensors, Dream's config.json with its
+   mask token, the Dream fixture's tokenizer) and local JSONL data (triples: queries of 16-64 tokens,
+   passages of 128-400; plain text for the LM stage);
+2. supervised, bf16 weights and autocast, activation checkpointing, LoRA dropout 0.1: GradCache on
+   (``gc``, uninterrupted, checkpoints every ``save_steps``) and off (``direct``);
+3. resume: the GradCache run stopped at the first checkpoint (``stop_after_n_steps``), then resumed
+   with ``--resume_from_checkpoint last``; its final LoRA weights are compared with ``gc``'s. Both
+   runs' first checkpoints (same steps from scratch) are compared too: any difference there is the
+   kernels' own nondeterminism, which then bounds the resume's difference (a difference only after
+   the resume would mean the resume is not exact);
+4. the MDM stage (LoRA, LM head, bf16, activation checkpointing), with a checkpoint;
+5. the NaN guard: learning rate 1e20 (warmup 2, a checkpoint every step) must stop with exit status 1
+   and name checkpoint-1 as the last finite one, which must be complete and finite.
+
+Every figure and verdict is appended to ``DIR/results.jsonl`` and ``DIR/summary.md`` as it is known;
+each run's log is in ``DIR/logs``. The exit status is 0 only if every verdict passed. Nothing here
+needs ``datasets``, ``mteb``, ``bm25s`` or flash-attn (the environment record says which are present).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DREAM_FIXTURE = REPO / "tests" / "fixtures" / "dream_reference"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
+#: Qwen2.5-1.5B's shape (Dream-7B's family) and a tiny one for the CPU dry run.
+SHAPES = {
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+}  # fmt: skip
+OPTIONAL = ("datasets", "mteb", "bm25s", "flash_attn")
+
+
+@dataclasses.dataclass
+class Plan:
+    """Sizes of one smoke run: the GPU's, or the dry run's (tiny, float32, on the CPU)."""
+
+    shape: str
+    dtype: str | None  # torch_dtype of the weights; None = float32
+    bf16: bool  # autocast
+    batch: int  # triples per step
+    chunk: int  # GradCache texts per chunk
+    query_tokens: tuple[int, int]
+    passage_tokens: tuple[int, int]
+    steps: int  # max_steps of the supervised runs; checkpoints at steps/2 and steps
+    block: int  # LM-stage tokens per block
+    lm_batch: int
+    lm_steps: int
+    timeout: int  # seconds per run
+
+
+GPU = Plan("qwen2.5-1.5b", "bfloat16", True, 8, 2, (16, 64), (128, 400), 6, 512, 8, 4, 300)
+DRY = Plan("tiny", None, False, 4, 2, (8, 16), (16, 48), 4, 32, 4, 2, 300)
+
+
+class Report:
+    """Appends each figure and verdict to results.jsonl and rewrites summary.md, as it goes."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.rows: list[dict] = []
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.jsonl").write_text("")
+
+    def add(self, check: str, ok: bool | None, **figures) -> bool:
+        row = {"check": check, "verdict": {True: "pass", False: "FAIL", None: "info"}[ok], **figures}
+        self.rows.append(row)
+        with open(self.out / "results.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        lines = ["# Training smoke run (bench/gpu_smoke_train.py)", "", "| check | verdict | figures |"]
+        lines.append("|---|---|---|")
+        for r in self.rows:
+            figures = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("check", "verdict"))
+            lines.append(f"| {r['check']} | {r['verdict']} | {figures} |")
+        (self.out / "summary.md").write_text("\n".join(lines) + "\n")
+        print(f"[smoke] {check}: {row['verdict']} {json.dumps(figures)}", flush=True)
+        return ok is not False
+
+    @property
+    def passed(self) -> bool:
+        return all(r["verdict"] != "FAIL" for r in self.rows)
+
+
+def environment(device: str) -> dict:
+    import accelerate
+    import peft
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    present = [m for m in OPTIONAL if importlib.util.find_spec(m) is not None]
+    return dict(device=name, torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
+                accelerate=accelerate.__version__, optional_present=present or "none")  # fmt: skip
+
+
+def make_checkpoint(folder: Path, plan: Plan, device: str) -> dict:
+    """Random Qwen2 weights (seed 0) saved as safetensors under Dream's config.json, and Dream's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    start = time.perf_counter()
+    dims = SHAPES[plan.shape]
+    config = AutoConfig.for_model("qwen2", **dims, max_position_embeddings=32768, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    dtype = getattr(torch, plan.dtype or "float32")
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    dream = json.loads((DREAM_FIXTURE / "config.json").read_text())
+    dream.update(dims, torch_dtype=plan.dtype or "float32", max_position_embeddings=32768)
+    (folder / "config.json").write_text(json.dumps(dream, indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(DREAM_FIXTURE / name, folder / name)
+    size = sum(p.stat().st_size for p in folder.iterdir()) / 2**30
+    return dict(seconds=round(time.perf_counter() - start, 1), size_gib=round(size, 2), shape=plan.shape)
+
+
+def random_text(tokenizer, tokens: int, generator) -> str:
+    import torch
+
+    ids = torch.randint(10, len(tokenizer) - 10, (tokens,), generator=generator).tolist()
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def make_data(folder: Path, plan: Plan, checkpoint: Path) -> dict:
+    """Local JSONL: triples for the supervised stage, plain text for the LM stage."""
+    import torch
+
+    from diffusion_embedder.backbones import load_tokenizer
+
+    tokenizer = load_tokenizer(str(checkpoint))
+    g = torch.Generator().manual_seed(0)
+
+    def length(bounds: tuple[int, int]) -> int:
+        return int(torch.randint(bounds[0], bounds[1] + 1, (1,), generator=g))
+
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = plan.batch * plan.steps
+    with open(folder / "triples.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(samples):
+            record = {
+                "instruction": "Given a question, retrieve the passage that answers it",
+                "query": random_text(tokenizer, length(plan.query_tokens), g),
+                "positive": random_text(tokenizer, length(plan.passage_tokens), g),
+                "negatives": [random_text(tokenizer, length(plan.passage_tokens), g)],
+            }
+            f.write(json.dumps(record) + "\n")
+    blocks = plan.lm_batch * plan.lm_steps + 2
+    with open(folder / "text.jsonl", "w", encoding="utf-8") as f:
+        for _ in range(blocks):
+            f.write(json.dumps({"text": random_text(tokenizer, plan.block + 8, g)}) + "\n")
+    return dict(triples=samples, text_records=blocks)
+
+
+def checkpointing_key() -> str:
+    """``activation_checkpointing`` where TrainingArguments has it (transformers >= 5.2x), else the older name."""
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def configs(out: Path, plan: Plan, checkpoint: Path) -> tuple[Path, Path]:
+    common = {
+        "model_name_or_path": str(checkpoint),
+        "torch_dtype": plan.dtype,
+        "bf16": plan.bf16,
+        checkpointing_key(): True,
+        "attn_implementation": "sdpa",
+        "lora_r": 16,
+        "seed": 42,
+        "learning_rate": 2e-4,
+        "warmup_steps": 1,
+        "logging_steps": 1,
+        "save_only_model": False,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        "report_to": "none",
+        "stop_after_n_steps": None,
+        "output_dir": str(out / "runs"),
+    }
+    supervised = {
+        **common,
+        "bidirectional": True,
+        "pooling_mode": "mean",
+        "max_seq_length": 512,
+        "doc_max_length": 512,
+        "skip_instruction": True,
+        "dataset_name": "Custom",
+        "dataset_file_path": str(out / "data" / "triples.jsonl"),
+        "num_negatives": 1,
+        "loss_class": "HardNegativeNLLLoss",
+        "lora_dropout": 0.1,
+        "per_device_train_batch_size": plan.batch,
+        "max_steps": plan.steps,
+        "save_steps": plan.steps // 2,
+        "remove_unused_columns": False,
+    }
+    lm = {
+        **common,
+        "objective": "mdm",
+        "mdm_shift": True,
+        "train_file": [str(out / "data" / "text.jsonl")],
+        "text_column": "text",
+        "max_seq_length": plan.block,
+        "per_device_train_batch_size": plan.lm_batch,
+        "max_steps": plan.lm_steps,
+        "save_steps": plan.lm_steps // 2,
+    }
+    paths = out / "supervised.json", out / "mdm.json"
+    for path, values in zip(paths, (supervised, lm), strict=True):
+        path.write_text(json.dumps(values, indent=2))
+    return paths
+
+
+def torchrun(out: Path, log_name: str, script: str, config: Path, timeout: int, *overrides: str) -> dict:
+    """One run of ``script`` under ``torchrun --standalone --nproc_per_node 1``, its run folder named by the
+    ``--experiment_id`` in ``overrides``; its log goes to logs/LOG_NAME.log."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+               str(REPO / "experiments" / script), str(config), *overrides]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    (out / "logs").mkdir(exist_ok=True)
+    log = out / "logs" / f"{log_name}.log"
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        code, text = "timeout", f"{err.stdout or ''}{err.stderr or ''}"
+    log.write_text(" ".join(command) + "\n\n" + (text if isinstance(text, str) else text.decode()))
+    return dict(exit=code, seconds=round(time.perf_counter() - start, 1), log=str(log.relative_to(out)))
+
+
+def run_figures(run: Path) -> dict:
+    """Losses and step time from the newest checkpoint's trainer_state.json."""
+    from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, list_checkpoints
+
+    checkpoints = list_checkpoints(run)
+    if not checkpoints:
+        return dict(checkpoints=0)
+    newest = Path(checkpoints[0])
+    state = json.loads((newest / "trainer_state.json").read_text())
+    losses = [e["loss"] for e in state["log_history"] if "loss" in e]
+    return dict(step=state["global_step"], losses=[round(x, 4) for x in losses],
+                complete=(newest / COMPLETE_MARKER).is_file(), checkpoints=len(checkpoints))  # fmt: skip
+
+
+def trained_ok(result: dict, figures: dict, steps: int) -> bool:
+    import math
+
+    return (result["exit"] == 0 and figures.get("step") == steps and figures.get("complete", False)
+            and all(math.isfinite(x) for x in figures.get("losses", [float("nan")])))  # fmt: skip
+
+
+def weight_difference(a: Path, b: Path) -> dict:
+    """How far two trainable.safetensors files are apart: bit-exact, largest |difference|, and the
+    difference's L2 norm relative to the second's (kernel noise touches few elements, a wrong resume all)."""
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    if x.keys() != y.keys():
+        return dict(same_keys=False, bit_exact=False, rel_l2=float("inf"))
+    diff = torch.stack([(x[k].float() - y[k].float()).norm() for k in x]).norm().item()
+    norm = torch.stack([y[k].float().norm() for k in y]).norm().item()
+    worst = max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+    return dict(same_keys=True, bit_exact=all(x[k].equal(y[k]) for k in x), max_abs=worst, rel_l2=diff / norm)
+
+
+def resume_verdict(out: Path, plan: Plan, supervised: Path, gc: list[str]) -> dict:
+    """Is the resumed run's final adapter the uninterrupted run's? Bit-exact passes. Otherwise a second
+    uninterrupted run measures the kernels' own nondeterminism, which must bound the resume's difference."""
+    from diffusion_embedder.training.checkpoints import TRAINABLE_WEIGHTS
+
+    runs, half = out / "runs", plan.steps // 2
+    at_checkpoint = weight_difference(runs / "resume" / f"checkpoint-{half}" / TRAINABLE_WEIGHTS,
+                                      runs / "gc" / f"checkpoint-{half}" / TRAINABLE_WEIGHTS)  # fmt: skip
+    final = weight_difference(runs / "resume" / TRAINABLE_WEIGHTS, runs / "gc" / TRAINABLE_WEIGHTS)
+    if final["bit_exact"]:
+        return dict(ok=True, why="bit-exact", final=final)
+    again = torchrun(out, "gc_again", "run_supervised.py", supervised, plan.timeout, "--experiment_id", "gc_again", *gc)
+    noise = weight_difference(runs / "gc_again" / TRAINABLE_WEIGHTS, runs / "gc" / TRAINABLE_WEIGHTS)
+    if noise["bit_exact"]:
+        why = "two uninterrupted runs agree bit for bit, the resumed one does not: the resume is not exact"
+        return dict(ok=False, why=why, final=final, at_checkpoint=at_checkpoint, second_run=again)
+    ok = final["rel_l2"] <= 3 * noise["rel_l2"]
+    why = ("the kernels are not deterministic (two uninterrupted runs differ); the resume's difference is "
+           + ("within" if ok else "beyond") + " 3x theirs")  # fmt: skip
+    return dict(ok=ok, why=why, final=final, uninterrupted_twice=noise, at_checkpoint=at_checkpoint, second_run=again)
+
+
+def smoke(out: Path, plan: Plan, device: str) -> bool:
+    from diffusion_embedder.training.checkpoints import TRAINABLE_WEIGHTS, find_last_checkpoint
+
+    report = Report(out)
+    started = time.perf_counter()
+    report.add("environment", None, **environment(device))
+    checkpoint = out / "model"
+    report.add("random checkpoint (Dream layout, safetensors)", None, **make_checkpoint(checkpoint, plan, device))
+    report.add("local JSONL data", None, **make_data(out / "data", plan, checkpoint))
+    supervised, lm = configs(out, plan, checkpoint)
+    runs = out / "runs"
+    half = str(plan.steps // 2)
+    gc = ["--grad_cache_chunk_size", str(plan.chunk)]
+
+    for name, extra in (("gc", gc), ("direct", [])):
+        result = torchrun(out, name, "run_supervised.py", supervised, plan.timeout, "--experiment_id", name, *extra)
+        figures = run_figures(runs / name)
+        runtime = re.search(r"'train_runtime': '?([0-9.]+)", (out / result["log"]).read_text())  # the Trainer's clock
+        seconds_per_step = round(float(runtime.group(1)) / plan.steps, 3) if runtime else None
+        what = f"supervised, GradCache chunk {plan.chunk}" if extra else "supervised, direct"
+        report.add(what, trained_ok(result, figures, plan.steps), **result, **figures, s_per_step=seconds_per_step)
+
+    resume = ["--experiment_id", "resume", *gc]
+    stopped = torchrun(out, "stopped", "run_supervised.py", supervised, plan.timeout, *resume,
+                       "--stop_after_n_steps", half)  # fmt: skip
+    resumed = torchrun(out, "resumed", "run_supervised.py", supervised, plan.timeout, *resume,
+                       "--resume_from_checkpoint", "last")  # fmt: skip
+    figures = run_figures(runs / "resume")
+    report.add("supervised, stopped then resumed", trained_ok(resumed, figures, plan.steps) and stopped["exit"] == 0,
+               stopped=stopped, resumed=resumed, **figures)  # fmt: skip
+    try:
+        verdict = resume_verdict(out, plan, supervised, gc)
+    except FileNotFoundError as err:
+        verdict = dict(ok=False, why=f"missing {err.filename}")
+    report.add("resume continues exactly", verdict.pop("ok"), **verdict)
+
+    result = torchrun(out, "mdm", "run_mntp.py", lm, plan.timeout, "--experiment_id", "mdm")
+    figures = run_figures(runs / "mdm")
+    adapter = (runs / "mdm" / "adapter_model.safetensors").is_file()
+    report.add("MDM stage (LM head, LoRA)", trained_ok(result, figures, plan.lm_steps) and adapter,
+               **result, **figures, adapter_saved=adapter)  # fmt: skip
+
+    result = torchrun(out, "nan", "run_supervised.py", supervised, plan.timeout, "--experiment_id", "nan", *gc,
+                      "--learning_rate", "1e20", "--warmup_steps", "2", "--save_steps", "1")  # fmt: skip
+    good = runs / "nan" / "checkpoint-1"
+    log = (out / result["log"]).read_text()
+    named = f"last finite checkpoint is {good}" in log
+    last = find_last_checkpoint(runs / "nan")
+    finite = False
+    if (good / TRAINABLE_WEIGHTS).is_file():
+        from safetensors.torch import load_file
+
+        finite = all(t.isfinite().all() for t in load_file(good / TRAINABLE_WEIGHTS).values())
+    message = next((line.strip() for line in log.splitlines() if "training stopped" in line or "not finite" in line),
+                   None)  # fmt: skip
+    stopped_right = result["exit"] == 1 and named and last == str(good) and finite
+    report.add("NaN guard at learning rate 1e20", stopped_right, exit=result["exit"], names_checkpoint_1=named,
+               last_complete=last, finite=finite, message=message)
+
+    report.add("total", None, seconds=round(time.perf_counter() - started, 1))
+    return report.passed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the model, data, runs, logs and results")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shape, float32, on the CPU")
+    args = parser.parse_args()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("No CUDA device: run with --dry-run on a CPU.")
+    if args.out.exists() and any(args.out.iterdir()):
+        sys.exit(f"{args.out} is not empty: give a new folder.")
+    ok = smoke(args.out.resolve(), DRY if args.dry_run else GPU, "cpu" if args.dry_run else "cuda")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
