@@ -103,7 +103,7 @@ def from_pretrained(
         latent = LatentAttentionPooling(model.config.hidden_size, config.latent_num_latents, config.latent_num_heads)
         latent.load_state_dict(load_file(latent_path))
 
-    encoder = cls(model, left_padded(tokenizer, owned=True), config, latent=latent)
+    encoder = cls(model, left_padded(tokenizer, owned=True), config=config, latent=latent)
     if "device_map" not in kwargs:
         encoder.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return encoder
