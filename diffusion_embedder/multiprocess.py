@@ -90,9 +90,12 @@ class DevicePool:
             try:
                 return self._results.get(timeout=1.0)
             except queue.Empty:
-                dead = [(device, p.exitcode) for device, p in zip(self.devices, self._processes) if not p.is_alive()]
+                pairs = zip(self.devices, self._processes, strict=True)
+                dead = [(device, process.exitcode) for device, process in pairs if not process.is_alive()]
                 if dead:
-                    self.close()
+                    self.closed = True
+                    for process in self._processes:
+                        process.terminate()
                     raise RuntimeError(
                         f"Encoding worker(s) died: {', '.join(f'{d} (exit code {c})' for d, c in dead)}; the pool "
                         "is stopped, start a new one."

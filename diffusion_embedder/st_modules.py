@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from sentence_transformers.base.modules.input_module import InputModule
 
+from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.encoder import Encoder
 from diffusion_embedder.templates import TextInput, parse_input
 
@@ -52,7 +53,11 @@ class EncoderModule(InputModule):
         return self.encoder._collate(tokenized)
 
     def forward(self, features: dict[str, torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
-        features["sentence_embedding"] = self.encoder(features).float()
+        if torch.is_grad_enabled():  # training: the plain path (oneDNN's linear op has no gradient)
+            features["sentence_embedding"] = self.encoder(features).float()
+            return features
+        with onednn_linear(self.encoder.model, self.encoder.device):  # the maths ``Encoder.encode`` runs
+            features["sentence_embedding"] = self.encoder(features).float()
         return features
 
     def save(self, output_path: str, *args, **kwargs) -> None:
