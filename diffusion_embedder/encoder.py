@@ -276,8 +276,11 @@ class Encoder(nn.Module):
         return self.model.resize_token_embeddings(new_num_tokens=new_num_tokens, pad_to_multiple_of=pad_to_multiple_of)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """LLM2Vec's: the backbone's ``gradient_checkpointing_enable``."""
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        """LLM2Vec's: the backbone's checkpointing, by the name its transformers has (5.23: ``activation_...``)."""
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
     # ------------------------------------------------------------------ encode
     def encode(

@@ -134,7 +134,8 @@ def close(a, b) -> bool:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_backbone_gives_an_empty_text_the_encoders_vector_or_names_our_module(tmp_path, family_checkpoint, family):
+def test_every_backbone_gives_an_empty_text_the_encoders_vector_or_names_our_module(tmp_path, family_checkpoint,
+                                                                                  family):
     """Every pooling mode sentence-transformers' Pooling covers, both skip_instruction values: `""` alone and inside a
     batch gets Encoder.encode's vector. Where the tokenizer adds no BOS the stock Transformer would give it no token
     (a crash alone, another vector in a batch), so the export names our module and says why."""
