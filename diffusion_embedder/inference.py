@@ -2,10 +2,12 @@
 
 The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``tokenize_items`` (the tokenization
 pipeline: a function of the tokenizer, the settings and the inputs only), ``make_batches`` (length-sorted
-or packed), ``run_batches`` (one device, or a pool of persistent workers) and ``finish`` (Matryoshka
-truncation, normalization, quantization). Of the encoder's modules only this one plans packed batches and
-imports quantization, the device pool (``multiprocess``) and the CPU linear path; ``encoder`` uses
-``packing`` only to collate and run packed rows, which training uses too.
+or packed), ``run_batches`` (one device, or a pool of persistent workers; ``run_on_pool`` for a pool the caller
+started) and ``finish`` (Matryoshka truncation, normalization, quantization). Every argument is checked before the
+first of them. Token states and per-input dicts (sentence-transformers' ``output_value``) take ``outputs`` in
+place of the last two. Of the encoder's modules only this one plans packed batches and imports quantization and
+the device pool (``multiprocess``); ``encoder`` uses ``packing`` only to collate and run packed rows, which
+training uses too.
 """
 
 from __future__ import annotations

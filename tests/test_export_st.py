@@ -184,6 +184,9 @@ def test_stock_folders_load_without_the_flag_ours_say_why_they_need_it(tmp_path,
         SentenceTransformer(str(folder), device="cpu")
     model = SentenceTransformer(str(folder), device="cpu", trust_remote_code=True)
     assert max_diff(model.encode(TEXTS), ours.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    tokens = ours.encode(TEXTS, output_value="token_embeddings", show_progress_bar=False)
+    for a, b in zip(model.encode(TEXTS, output_value="token_embeddings"), tokens, strict=True):
+        assert a.shape == b.shape and max_diff(a, b) < 1e-6  # our module's token states, in its layout
     with pytest.raises(ValueError, match=r"trust_remote_code=True\)"):
         save_sentence_transformers(ours, str(tmp_path / "refused"), stock_only=True)
 
