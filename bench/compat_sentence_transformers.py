@@ -3,8 +3,9 @@
     python bench/compat_sentence_transformers.py [--out bench/results/compat_sentence_transformers.md]
 
 Exports the tiny Llama and Dream fixtures under every pooling mode, skip_instruction on and off, with a
-query prompt (max_length = doc_max_length = 512), loads each folder with sentence-transformers and prints a
-markdown table; exits 1 if any difference reaches 1e-5.
+query prompt (max_length = doc_max_length = 512), loads each folder with sentence-transformers (with
+trust_remote_code=True only where modules.json names our EncoderModule) and prints a markdown table; exits 1
+if any difference reaches 1e-5.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ TEXTS = [
     " leading space",
     "(parenthesis first) then words",
     "x",
+    "",  # no token at all on Dream (no BOS): the encoder's stand-in token, hence EncoderModule there
 ]
 
 

@@ -9,6 +9,7 @@ module given the encoder (or its class) rather than importing it: ``loading`` (`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from diffusion_embedder.templates import (
     render,
 )
 
+if TYPE_CHECKING:
+    from diffusion_embedder.multiprocess import DevicePool
+
 
 def _config_attribute(name: str) -> tuple:
     """LLM2Vec's attribute ``name``: reads ``config``; setting it installs a validated copy of ``config``."""
@@ -52,11 +56,27 @@ class Encoder(nn.Module):
         self,
         model: nn.Module,
         tokenizer,
+        pooling_mode: str | EncoderConfig | None = None,
+        max_length: int | None = None,
+        doc_max_length: int | None = None,
+        skip_instruction: bool | None = None,
+        *,
         config: EncoderConfig | None = None,
         latent: LatentAttentionPooling | None = None,
         **settings,
     ):
+        """LLM2Vec's positional order, ``LLM2Vec(model, tokenizer, "mean", 512, 400, True)``; ``config`` (an
+        ``EncoderConfig``, also accepted third and alone) holds every setting, which keyword settings replace."""
         super().__init__()
+        if isinstance(pooling_mode, EncoderConfig):
+            if config is not None or (max_length, doc_max_length, skip_instruction) != (None, None, None):
+                raise TypeError("An EncoderConfig given third holds every setting: pass the others as keywords.")
+            config, pooling_mode = pooling_mode, None
+        positional = dict(
+            pooling_mode=pooling_mode, max_length=max_length, doc_max_length=doc_max_length,
+            skip_instruction=skip_instruction,
+        )
+        settings = {**{k: v for k, v in positional.items() if v is not None}, **settings}
         self.model = model
         self.tokenizer = left_padded(tokenizer)  # a copy where the caller's lacks LLM2Vec's padding
         if config is None:
@@ -175,10 +195,12 @@ class Encoder(nn.Module):
         doc_max_length: int | None = None,
         warn: bool = True,
         max_length: int | None = None,
+        config: EncoderConfig | None = None,
     ) -> list[Tokenized]:
-        """``inference.tokenize_items`` with this encoder's tokenizer, settings and readout tokens."""
+        """``inference.tokenize_items`` with this encoder's tokenizer, readout tokens and settings (or ``config``:
+        one call's, so that its messages name the lengths in force)."""
         return inference.tokenize_items(
-            self.tokenizer, self.config, self._mask_readout_ids(), items, doc_max_length, warn, max_length
+            self.tokenizer, config or self.config, self._mask_readout_ids(), items, doc_max_length, warn, max_length
         )
 
     def _collate(self, batch: Sequence[Tokenized]) -> dict[str, torch.Tensor]:
@@ -216,28 +238,49 @@ class Encoder(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
         """Pooled embeddings (B, d) for a ``tokenize`` output, padded or packed; differentiable."""
-        attention_mask = features["attention_mask"]
+        return self.get_pooling(features, self._hidden_states(features))
+
+    def _hidden_states(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The backbone's last hidden states (B, L, d) in the padded layout (packed rows are gathered back)."""
         if packing_mod.is_packed(features):
-            hidden = packing_mod.packed_hidden(self.model, features)
-        else:
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-            hidden = self.model(
-                input_ids=features["input_ids"].long(),
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
+            return packing_mod.packed_hidden(self.model, features)
+        attention_mask = features["attention_mask"]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        return self.model(
+            input_ids=features["input_ids"].long(),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+
+    def get_pooling(self, features: dict[str, torch.Tensor], last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """LLM2Vec's: pool ``last_hidden_states`` (B, L, d) over ``features``' masks (the text span with
+        ``skip_instruction``). Unlike LLM2Vec's it leaves ``features`` as they were (LLM2Vec overwrote the
+        attention mask with the embed mask) and works with any padding side."""
+        attention_mask = features["attention_mask"]
         pool_mask = attention_mask
         if self.config.skip_instruction and "embed_mask" in features:
             embed_mask = features["embed_mask"]
             # An empty text has no span of its own: it falls back to all its tokens (documented).
             has_span = embed_mask.sum(-1, keepdim=True) > 0
             pool_mask = torch.where(has_span, embed_mask, attention_mask)
+        hidden = last_hidden_states
         if self.latent is not None:
             hidden = hidden.to(next(self.latent.parameters()).dtype)
         return pool(
             hidden, attention_mask, pool_mask, self.config.pooling_mode, self.latent, self.config.mask_readout_tokens
         )
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None):
+        """LLM2Vec's: the backbone's ``resize_token_embeddings`` (returns its new input embedding)."""
+        return self.model.resize_token_embeddings(new_num_tokens=new_num_tokens, pad_to_multiple_of=pad_to_multiple_of)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """LLM2Vec's: the backbone's checkpointing, by the name its transformers has (5.23: ``activation_...``)."""
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
     # ------------------------------------------------------------------ encode
     def encode(
@@ -251,23 +294,29 @@ class Encoder(nn.Module):
         *,
         prompt: str | None = None,
         prompt_name: str | None = None,
+        output_value: str | None = "sentence_embedding",
         normalize_embeddings: bool = False,
         truncate_dim: int | None = None,
-        precision: str = "float32",
+        precision: str | None = "float32",
+        pool: DevicePool | None = None,
+        chunk_size: int | None = None,
         max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
         packing: str | bool = "auto",
-    ) -> torch.Tensor | np.ndarray:
+    ) -> torch.Tensor | np.ndarray | list:
         """Embed strings or ``[instruction, text]`` pairs, in input order.
 
-        Returns a float32 ``torch.Tensor`` (LLM2Vec's default; a numpy array with ``convert_to_numpy``);
-        a single string gives a 1-D vector. ``prompt`` (or ``prompt_name``, a key of ``config.prompts``)
-        is the instruction of every plain-string input: ``encode(texts, prompt=p)`` equals
-        ``encode([[p, t] for t in texts])``. Then, as in sentence-transformers: the first ``truncate_dim``
-        dimensions are kept (default ``self.truncate_dim``), vectors are L2-normalized with
-        ``normalize_embeddings``, and ``precision`` (int8, uint8, binary, ubinary) quantizes them with
-        buckets from this call's embeddings.
+        Returns a float32 CPU ``torch.Tensor`` (LLM2Vec's default and dtype, whatever the model's dtype; a
+        numpy array with ``convert_to_numpy``); a single string gives a 1-D vector. ``prompt`` (or
+        ``prompt_name``, a key of ``config.prompts``) is the instruction of every plain-string input:
+        ``encode(texts, prompt=p)`` equals ``encode([[p, t] for t in texts])``. Then, as in
+        sentence-transformers: the first ``truncate_dim`` dimensions are kept (default ``self.truncate_dim``),
+        vectors are L2-normalized with ``normalize_embeddings``, and ``precision`` (int8, uint8, binary,
+        ubinary; None is float32) quantizes them with buckets from this call's embeddings.
+        ``output_value="token_embeddings"`` returns each input's token states instead (a list of (n_i, d)
+        float32 tensors, padding removed), ``None`` a dict per input with every output
+        (``diffusion_embedder.outputs``).
 
         The positional arguments are LLM2Vec's, in its order; newer ones are keyword-only.
         ``max_length`` / ``doc_max_length`` override the encoder's for this call only.
@@ -278,13 +327,16 @@ class Encoder(nn.Module):
         as the longest text (at most ``packing.MAX_ROW_LENGTH``), ``batch_size`` rows per forward
         (or as many as fit ``max_tokens_per_batch``); the embeddings are the same.
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
-        (done automatically when several GPUs are visible).
+        (done automatically when several GPUs are visible); ``pool`` (from ``start_multi_process_pool``)
+        runs them on that pool's workers instead. ``chunk_size`` is accepted for sentence-transformers'
+        signature: workers here pull one batch at a time, so it changes nothing.
         """
         return inference.encode(
             self, sentences, batch_size, show_progress_bar, convert_to_numpy, convert_to_tensor, device,
-            prompt=prompt, prompt_name=prompt_name, normalize_embeddings=normalize_embeddings,
-            truncate_dim=truncate_dim, precision=precision, max_tokens_per_batch=max_tokens_per_batch,
-            max_length=max_length, doc_max_length=doc_max_length, packing=packing,
+            prompt=prompt, prompt_name=prompt_name, output_value=output_value,
+            normalize_embeddings=normalize_embeddings, truncate_dim=truncate_dim, precision=precision, pool=pool,
+            chunk_size=chunk_size, max_tokens_per_batch=max_tokens_per_batch, max_length=max_length,
+            doc_max_length=doc_max_length, packing=packing,
         )
 
     def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
@@ -329,6 +381,37 @@ class Encoder(nn.Module):
         if self._pool_workers is not None:
             self._pool_workers.close()
             self._pool_workers = None
+
+    def start_multi_process_pool(self, target_devices: Sequence[str] | None = None) -> DevicePool:
+        """sentence-transformers' name: a pool of workers for ``encode(..., pool=pool)``, one per device (default:
+        every CUDA device, else 4 CPU workers, as there). Stop it with ``stop_multi_process_pool``."""
+        return inference.start_pool(self, inference.pool_devices(target_devices))
+
+    @staticmethod
+    def stop_multi_process_pool(pool: DevicePool) -> None:
+        """sentence-transformers' name: stop the workers of a ``start_multi_process_pool`` pool."""
+        pool.close()
+
+    def encode_multi_process(
+        self,
+        sentences: Sequence[str | Sequence[str]],
+        pool: DevicePool,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        batch_size: int = 32,
+        chunk_size: int | None = None,
+        show_progress_bar: bool | None = None,
+        precision: str | None = "float32",
+        normalize_embeddings: bool = False,
+        truncate_dim: int | None = None,
+    ) -> np.ndarray:
+        """sentence-transformers' (deprecated there) ``encode(sentences, pool=pool, convert_to_numpy=True)``, in its
+        argument order; a numpy array, as there."""
+        return self.encode(
+            sentences, batch_size, bool(show_progress_bar), True, prompt=prompt, prompt_name=prompt_name,
+            precision=precision, normalize_embeddings=normalize_embeddings, truncate_dim=truncate_dim, pool=pool,
+            chunk_size=chunk_size,
+        )
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -23,6 +23,7 @@ from torch import nn
 
 from diffusion_embedder.files import read_json_object, write_json
 from diffusion_embedder.folders import write_model_card
+from diffusion_embedder.templates import placeholder_token
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,12 @@ ST_REQUIREMENTS = {
         "which would silently run the model causal",
     }
 }
+#: Why a folder naming EncoderModule needs the flag, and how to give it (model card, warning, refusal).
+TRUST_REMOTE_CODE = (
+    "sentence-transformers 6.2 imports a module class from outside its own package only with "
+    "trust_remote_code=True (its #3801); the folder holds no code, the class comes from the installed "
+    "diffusion_embedder: SentenceTransformer({path!r}, trust_remote_code=True)."
+)
 PACKAGE_REQUIREMENT = {
     "diffusion_embedder": {
         "specifier": ">=0.1",
@@ -70,7 +77,15 @@ def custom_module_reasons(encoder: nn.Module) -> list[str]:
         reasons.append(
             f"skip_instruction=True with {config.pooling_mode} pooling: the pooled span is the text's own tokens "
             "(no BOS, and the token joining instruction and text belongs to the text), which sentence-transformers' "
-            "prompt-length exclusion does not reproduce"
+            "Pooling(include_prompt=False) does not reproduce: it drops as many tokens as the prompt has alone, and "
+            "the prompt's trailing space is a token of its own there but joins the text's first word in the row"
+        )
+    if not encoder.tokenizer("")["input_ids"]:
+        stand_in = encoder.tokenizer.convert_ids_to_tokens(placeholder_token(encoder.tokenizer))
+        reasons.append(
+            "the tokenizer adds no BOS (or any token) around a text, so an empty text has no tokens: the encoder "
+            f"encodes it as one stand-in token ({stand_in!r}), sentence-transformers' Transformer would give it none "
+            "(a different vector inside a batch, an error alone)"
         )
     doc_limit = config.doc_max_length + special_token_count(encoder.tokenizer)
     if doc_limit < config.max_length and any(text.strip() for text in config.prompts.values()):
@@ -103,7 +118,8 @@ def save_sentence_transformers(encoder: nn.Module, output_path: str, stock_only:
     if reasons and stock_only:
         raise ValueError(
             "Cannot export to sentence-transformers with its own modules only: " + "; ".join(reasons) + ". "
-            "Export without stock_only to use diffusion_embedder's EncoderModule instead."
+            "Export without stock_only to use diffusion_embedder's EncoderModule instead; "
+            + TRUST_REMOTE_CODE.format(path=output_path)
         )
     config = encoder.config
     encoder.save(output_path, merge_before_save=True)
@@ -152,12 +168,16 @@ def save_sentence_transformers(encoder: nn.Module, output_path: str, stock_only:
     write_json(tokenizer_config_path, tokenizer_config)
     write_json(os.path.join(output_path, "modules.json"), modules)
     write_json(os.path.join(output_path, "config_sentence_transformers.json"), model_config)
-    write_model_card(encoder, output_path, sentence_transformers="custom" if reasons else "stock")
-    logger.info(
-        "Exported a sentence-transformers folder to %s (%s)",
-        output_path,
-        "diffusion_embedder's EncoderModule: " + "; ".join(reasons) if reasons else "Transformer + Pooling",
-    )
+    write_model_card(encoder, output_path, sentence_transformers=reasons)
+    if reasons:
+        logger.warning(
+            "Exported %s for sentence-transformers with diffusion_embedder's EncoderModule (%s). %s",
+            output_path,
+            "; ".join(reasons),
+            TRUST_REMOTE_CODE.format(path=output_path),
+        )
+    else:
+        logger.info("Exported a sentence-transformers folder to %s (Transformer + Pooling)", output_path)
 
 
 # --------------------------------------------------------------------------- formats

@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Sequence
 
 from safetensors.torch import save_file
 from torch import nn
@@ -263,16 +264,21 @@ def _base_loading(model_type: str, base: str) -> str:
     )
 
 
-def model_card(encoder: nn.Module, path: str, sentence_transformers: str | None = None) -> str:
-    """README.md text: what the folder is and how to load it with each library that can."""
+def model_card(encoder: nn.Module, path: str, sentence_transformers: Sequence[str] | None = None) -> str:
+    """README.md text: what the folder is and how to load it with each library that can.
+
+    ``sentence_transformers``: None for an encoder folder; for a sentence-transformers folder, the reasons it
+    names our ``EncoderModule`` (empty: sentence-transformers' own modules).
+    """
     config = encoder.config
     is_adapter = os.path.isfile(os.path.join(path, "adapter_config.json"))
     base = config.base_model_name_or_path
     name = os.path.basename(os.path.normpath(path))
+    exported = sentence_transformers is not None
     tags = ["diffusion_embedder", "feature-extraction", "text-embeddings"]
-    if sentence_transformers:
+    if exported:
         tags += ["sentence-transformers", "sentence-similarity"]
-    front = ["---", "library_name: " + ("sentence-transformers" if sentence_transformers else "transformers")]
+    front = ["---", "library_name: " + ("sentence-transformers" if exported else "transformers")]
     if base and not os.path.isabs(base):
         front.append(f"base_model: {base}")
     front += ["pipeline_tag: feature-extraction", "tags:", *(f"- {t}" for t in tags), "---"]
@@ -286,16 +292,19 @@ def model_card(encoder: nn.Module, path: str, sentence_transformers: str | None 
         f'encoder = Encoder.from_pretrained("{path}")\n'
         'vectors = encoder.encode(["a text", ["an instruction", "a text with its instruction"]])\n```',
     ]
-    if sentence_transformers:
-        flag = ", trust_remote_code=True" if sentence_transformers == "custom" else ""
+    if exported:
+        flag = ", trust_remote_code=True" if sentence_transformers else ""
         note = (
-            "\n\nThis folder names `diffusion_embedder.st_modules.EncoderModule` (the settings above need this "
-            "package's tokenization or pooling): install `diffusion_embedder`. sentence-transformers 6 asks for "
-            "`trust_remote_code=True` before importing any class outside its own package; the folder itself holds "
-            "no code."
-            if sentence_transformers == "custom"
-            else "\n\nsentence-transformers' own `Transformer` + `Pooling` modules; needs transformers >= 5.2, "
-            "which reads `is_causal: false` from config.json (older releases would run the model causal)."
+            "\n\nThis folder names `diffusion_embedder.st_modules.EncoderModule`, which runs this package's "
+            "tokenization and pooling, because sentence-transformers' own modules would give other vectors here:\n\n"
+            + "".join(f"- {reason}\n" for reason in sentence_transformers)
+            + "\nInstall `diffusion_embedder` and pass `trust_remote_code=True`: sentence-transformers 6.2 imports a "
+            "module class from outside its own package only with that flag (its #3801). The folder itself holds no "
+            "code; without the flag sentence-transformers refuses to load it rather than load a different model."
+            if sentence_transformers
+            else "\n\nsentence-transformers' own `Transformer` + `Pooling` modules (no `trust_remote_code`); needs "
+            "transformers >= 5.2, which reads `is_causal: false` from config.json (older releases would run the "
+            "model causal)."
         )
         prompt_line = (
             f'\nqueries = model.encode(["a query"], prompt_name="{next(iter(config.prompts))}")'
@@ -328,6 +337,6 @@ def model_card(encoder: nn.Module, path: str, sentence_transformers: str | None 
     return "\n\n".join(sections) + "\n"
 
 
-def write_model_card(encoder: nn.Module, path: str, sentence_transformers: str | None = None) -> None:
+def write_model_card(encoder: nn.Module, path: str, sentence_transformers: Sequence[str] | None = None) -> None:
     with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(encoder, path, sentence_transformers))

@@ -2,10 +2,12 @@
 
 The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``tokenize_items`` (the tokenization
 pipeline: a function of the tokenizer, the settings and the inputs only), ``make_batches`` (length-sorted
-or packed), ``run_batches`` (one device, or a pool of persistent workers) and ``finish`` (Matryoshka
-truncation, normalization, quantization). Of the encoder's modules only this one plans packed batches and
-imports quantization, the device pool (``multiprocess``) and the CPU linear path; ``encoder`` uses
-``packing`` only to collate and run packed rows, which training uses too.
+or packed), ``run_batches`` (one device, or a pool of persistent workers; ``run_on_pool`` for a pool the caller
+started) and ``finish`` (Matryoshka truncation, normalization, quantization). Every argument is checked before the
+first of them. Token states and per-input dicts (sentence-transformers' ``output_value``) take ``outputs`` in
+place of the last two. Of the encoder's modules only this one plans packed batches and imports quantization and
+the device pool (``multiprocess``); ``encoder`` uses ``packing`` only to collate and run packed rows, which
+training uses too.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from diffusion_embedder import outputs
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig
 from diffusion_embedder.cpu_linear import onednn_linear
+from diffusion_embedder.devices import check_device
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.templates import TextInput, parse_input, parse_inputs, placeholder_token, render
 
@@ -215,11 +219,27 @@ def _resolve_devices(device, encoder) -> list:
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return [None]
     if isinstance(device, str | torch.device):
+        check_device(device)
         return [device]
     devices = list(device)
     if not devices:
         raise ValueError("device=[] names no device: give a device, a list of devices, or None (automatic).")
+    for one in devices:
+        check_device(one)
     return devices
+
+
+def pool_devices(target_devices: Sequence[str] | None) -> list[str]:
+    """sentence-transformers' pool devices: the ones given (checked), else every CUDA device, else 4 CPU workers."""
+    if target_devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [f"cuda:{i}" for i in range(count)] if count else ["cpu"] * 4
+    devices = [target_devices] if isinstance(target_devices, str) else list(target_devices)
+    if not devices:
+        raise ValueError("target_devices=[] names no device: give devices, or None (every GPU, else 4 CPU workers).")
+    for one in devices:
+        check_device(one, "target_devices")
+    return [str(one) for one in devices]
 
 
 def start_pool(encoder, devices: Sequence[str]):
@@ -244,14 +264,24 @@ def _encode_local(encoder, tokenized, batches, device, show_progress_bar, collat
     return out
 
 
-def _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate) -> torch.Tensor:
-    if encoder._pool_workers is None or encoder._pool_workers.devices != list(devices):
+def own_pool(encoder, devices: Sequence[str]):
+    """The encoder's own workers on ``devices`` (``Encoder.start_pool``), started again if absent or stale."""
+    workers = encoder._pool_workers
+    if workers is None or workers.closed or workers.devices != list(devices) or workers.config != encoder.config:
         encoder.start_pool(devices)
+    return encoder._pool_workers
+
+
+def _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate) -> torch.Tensor:
+    return run_on_pool(own_pool(encoder, devices), encoder, tokenized, batches, show_progress_bar, collate)
+
+
+def run_on_pool(pool, encoder, tokenized, batches, show_progress_bar: bool, collate) -> torch.Tensor:
+    """(n, d) float32 embeddings on the CPU, in input order, computed by ``pool``'s workers."""
     out = torch.empty((len(tokenized), encoder.embedding_dim), dtype=torch.float32)
     features = [collate([tokenized[i] for i in batch]) for batch in batches]
-    for index, embeddings in tqdm(
-        encoder._pool_workers.run(features), total=len(batches), desc="Encoding", disable=not show_progress_bar
-    ):
+    done = pool.run(features)
+    for index, embeddings in tqdm(done, total=len(batches), desc="Encoding", disable=not show_progress_bar):
         out[batches[index]] = embeddings
     return out
 
@@ -264,6 +294,19 @@ def run_batches(encoder, tokenized, batches, devices: list, show_progress_bar: b
 
 
 # --------------------------------------------------------------------------- the output
+def check_truncate_dim(truncate_dim, embedding_dim: int) -> int | None:
+    """None keeps every dimension; else an integer in 1..``embedding_dim`` (sentence-transformers would return
+    empty vectors for 0 and every dimension for more: refused here rather than silently different)."""
+    if truncate_dim is None:
+        return None
+    if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, int) or not 1 <= truncate_dim <= embedding_dim:
+        raise ValueError(
+            f"truncate_dim must be an integer from 1 to the embedding dimension {embedding_dim} "
+            f"(or None: all of them), got {truncate_dim!r}."
+        )
+    return truncate_dim
+
+
 def finish(
     out: torch.Tensor,
     truncate_dim: int | None,
@@ -287,6 +330,26 @@ def finish(
     return out
 
 
+def _check_call(call: EncoderConfig, readout: list[int]) -> None:
+    """Lengths this call cannot run with, named as given (the call's ``max_length``, not the encoder's)."""
+    if call.max_length <= len(readout):
+        raise ValueError(
+            f"max_length={call.max_length} leaves no token for the text: mask_token pooling appends "
+            f"{len(readout)} mask token(s) (mask_readout_tokens={call.mask_readout_tokens}); give max_length > "
+            f"{len(readout)}."
+        )
+
+
+def _check_pool(pool, device, encoder) -> None:
+    from diffusion_embedder.multiprocess import DevicePool
+
+    if not isinstance(pool, DevicePool):
+        raise TypeError(f"pool must be what start_multi_process_pool() returned, got {type(pool).__name__}.")
+    if device is not None:
+        raise ValueError(f"Pass either pool or device, not both: the pool's devices are {pool.devices}.")
+    pool.check_use(encoder)
+
+
 def encode(
     encoder,
     sentences,
@@ -298,28 +361,55 @@ def encode(
     *,
     prompt: str | None,
     prompt_name: str | None,
+    output_value: str | None,
     normalize_embeddings: bool,
     truncate_dim: int | None,
-    precision: str,
+    precision: str | None,
+    pool,
+    chunk_size: int | None,
     max_tokens_per_batch: int | None,
     max_length: int | None,
     doc_max_length: int | None,
     packing: str | bool,
-) -> torch.Tensor | np.ndarray:
+) -> torch.Tensor | np.ndarray | list:
     """``Encoder.encode``, whose docstring says what each argument does."""
-    check_precision(precision)
+    precision = check_precision("float32" if precision is None else precision)  # None: sentence-transformers' float32
+    outputs.check_output_value(output_value, precision)
     check_batch_size(batch_size)
-    items, single = prepare_inputs(sentences, encoder.config.prompts, prompt, prompt_name)
-    if not items:
-        out = torch.zeros((0, encoder.embedding_dim), dtype=torch.float32)
+    for name, value in (("max_tokens_per_batch", max_tokens_per_batch), ("chunk_size", chunk_size)):
+        if value is not None:
+            packing_mod.check_positive(name, value)
+    truncate_dim = check_truncate_dim(
+        truncate_dim if truncate_dim is not None else encoder.truncate_dim, encoder.embedding_dim
+    )
+    if pool is not None:
+        _check_pool(pool, device, encoder)
+        devices = list(pool.devices)
     else:
-        overrides = {"max_length": max_length, "doc_max_length": doc_max_length}
-        call = encoder.config.replace(**{k: v for k, v in overrides.items() if v is not None})  # validated
-        tokenized = encoder._tokenize_items(items, doc_max_length=call.doc_max_length, max_length=call.max_length)
-        lengths = [len(t.input_ids) for t in tokenized]
         devices = _resolve_devices(device, encoder)
-        device_type = torch.device(devices[0] or encoder.device).type
-        batches, collate = make_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
+    items, single = prepare_inputs(sentences, encoder.config.prompts, prompt, prompt_name)
+    overrides = {"max_length": max_length, "doc_max_length": doc_max_length}
+    call = encoder.config.replace(**{k: v for k, v in overrides.items() if v is not None})  # validated
+    _check_call(call, encoder._mask_readout_ids())
+    if not items:
+        if output_value != "sentence_embedding":
+            return []
+        out = torch.zeros((0, encoder.embedding_dim), dtype=torch.float32)
+        return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)
+    tokenized = encoder._tokenize_items(
+        items, doc_max_length=call.doc_max_length, max_length=call.max_length, config=call
+    )
+    lengths = [len(t.input_ids) for t in tokenized]
+    device_type = torch.device(devices[0] or encoder.device).type
+    if output_value != "sentence_embedding":
+        batches = length_batches(lengths, batch_size, max_tokens_per_batch)
+        if pool is None and len(devices) > 1:
+            pool = own_pool(encoder, devices)
+        rows = outputs.run_rows(encoder, tokenized, batches, devices[0], pool, show_progress_bar)
+        return outputs.select(rows, output_value, truncate_dim, single)
+    batches, collate = make_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
+    if pool is not None:
+        out = run_on_pool(pool, encoder, tokenized, batches, show_progress_bar, collate)
+    else:
         out = run_batches(encoder, tokenized, batches, devices, show_progress_bar, collate)
-    truncate_dim = truncate_dim if truncate_dim is not None else encoder.truncate_dim
     return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)

@@ -6,6 +6,9 @@ from a checkpoint's small files only, so settings and the tokenizer are checked 
 
 from __future__ import annotations
 
+import difflib
+import inspect
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +25,22 @@ from diffusion_embedder.config import (
     read_settings,
     resolve_config,
 )
-from diffusion_embedder.files import find_file, hub_kwargs_of, read_optional_json_object
+from diffusion_embedder.devices import check_device
+from diffusion_embedder.files import HUB_KWARGS, find_file, hub_kwargs_of, read_optional_json_object
 from diffusion_embedder.pooling import LatentAttentionPooling
 from diffusion_embedder.templates import eos_suffix_for, known_settings, left_padded
 
-#: ``from_pretrained`` keyword arguments that are encoder settings (the rest go to the backbone).
+#: Keywords transformers 5's ``PreTrainedModel.from_pretrained`` reads from ``**kwargs`` (its named parameters
+#: are read from its signature); with config fields and ``load_backbone``'s own, all a backbone keyword may be.
+TRANSFORMERS_LOAD_KWARGS = frozenset(
+    {
+        "state_dict", "proxies", "output_loading_info", "dtype", "torch_dtype", "device_map", "max_memory",
+        "offload_folder", "offload_buffers", "quantization_config", "subfolder", "variant", "adapter_kwargs",
+        "adapter_name", "generation_config", "gguf_file", "distributed_config", "device_mesh", "tp_plan", "tp_size",
+        "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config", "low_cpu_mem_usage",
+        "experts_implementation",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -61,12 +75,18 @@ def from_pretrained(
     """
     kwargs = dict(kwargs)
     hub_kwargs = hub_kwargs_of(kwargs)
+    check_attn_implementation(attn_implementation)
+    if device is not None:
+        check_device(device)
+    if peft_model_name_or_path is not None:
+        _check_adapter(peft_model_name_or_path, hub_kwargs)
     settings_dir = peft_model_name_or_path or base_model_name_or_path
     saved = read_settings(find_file(settings_dir, ENCODER_CONFIG, **hub_kwargs))
     llm2vec = read_settings(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs), LLM2VEC_KEYS)
     keep_own_adapter = peft_model_name_or_path is None and not merge_peft
     plan = _plan_load(base_model_name_or_path, saved, keep_own_adapter, hub_kwargs)
     explicit = {**explicit, **{name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs}}
+    _check_backbone_kwargs(cls, plan, kwargs, hub_kwargs)
     # An encoder folder already holds the settings known for its checkpoint, resolved when it was made.
     config = resolve_config(llm2vec, saved, {} if saved else known_settings(plan.names), explicit)
     merged = list(plan.merges)
@@ -102,10 +122,63 @@ def from_pretrained(
         latent = LatentAttentionPooling(model.config.hidden_size, config.latent_num_latents, config.latent_num_heads)
         latent.load_state_dict(load_file(latent_path))
 
-    encoder = cls(model, left_padded(tokenizer, owned=True), config, latent=latent)
+    encoder = cls(model, left_padded(tokenizer, owned=True), config=config, latent=latent)
     if "device_map" not in kwargs:
         encoder.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return encoder
+
+
+def check_attn_implementation(value) -> None:
+    """Refuse an attention implementation transformers does not know, listing those it does, before any load."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if value is None:
+        return
+    valid = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if isinstance(value, str) and (value.removeprefix("paged|") in valid or "/" in value):  # "/": a hub kernel
+        return
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    raise ValueError(
+        f"Unknown attn_implementation {value!r}; choose one of {', '.join(valid)}, or a hub kernel 'org/repo'"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + "."
+    )
+
+
+def _check_adapter(path: str, hub_kwargs: dict) -> None:
+    if find_file(path, "adapter_config.json", **hub_kwargs) is None:
+        where = (
+            "that folder has no adapter_config.json"
+            if os.path.isdir(path)
+            else "no such folder, and no reachable hub repo of that name holds an adapter_config.json"
+        )
+        raise FileNotFoundError(f"peft_model_name_or_path={path!r} is not a PEFT adapter: {where}.")
+
+
+def _check_backbone_kwargs(cls: type[nn.Module], plan: _LoadPlan, kwargs: dict, hub_kwargs: dict) -> None:
+    """Refuse a keyword that is no encoder setting, transformers loading option or backbone config field, before
+    the weights load (transformers would fail late, naming its model class's ``__init__``)."""
+    if not kwargs:
+        return
+    from transformers import PreTrainedModel
+
+    config, _ = backbones.load_config(plan.weights_from, **hub_kwargs)
+    known = (
+        set(inspect.signature(PreTrainedModel.from_pretrained).parameters)
+        | set(inspect.signature(backbones.load_backbone).parameters)
+        | TRANSFORMERS_LOAD_KWARGS
+        | set(HUB_KWARGS)
+    )
+    for name, value in kwargs.items():
+        if name in known or hasattr(config, name):
+            continue
+        choices = sorted(known | set(SETTING_NAMES) | set(inspect.signature(cls.from_pretrained).parameters))
+        close = difflib.get_close_matches(name, choices + sorted(config.to_dict()), n=1)
+        raise TypeError(
+            f"from_pretrained() got an unknown keyword argument {name}={value!r}: not an encoder setting, not an "
+            f"option of transformers' from_pretrained, not a field of the {plan.model_type} config"
+            + (f"; did you mean {close[0]!r}?" if close else ".")
+        )
 
 
 def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict) -> _LoadPlan:

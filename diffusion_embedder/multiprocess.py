@@ -2,18 +2,22 @@
 
 LLM2Vec sent the whole model to a fresh pool task with every batch (its issue #52); here each worker
 receives the encoder once at start-up and then only token batches, pulled from a shared queue so
-faster devices take more of them.
+faster devices take more of them. ``Encoder.start_multi_process_pool`` hands one out as sentence-transformers'
+pool (its ``encode(..., pool=pool)``); a batch comes back as its embeddings, or with ``per_row`` as each input's
+outputs (``outputs.batch_rows``: token states too).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from diffusion_embedder.cpu_linear import onednn_linear
+from diffusion_embedder.outputs import batch_rows
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +28,12 @@ def _worker(encoder, device: str, tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        index, features = task
+        index, features, per_row = task
         try:
             with torch.inference_mode(), onednn_linear(encoder.model, torch.device(device)):
-                embeddings = encoder({k: v.to(device) for k, v in features.items()}).float().cpu()
-            results.put((index, embeddings, None))
+                features = {k: v.to(device) for k, v in features.items()}
+                out = batch_rows(encoder, features) if per_row else encoder(features).float().cpu()
+            results.put((index, out, None))
         except Exception as error:  # noqa: BLE001 - reported to the parent, which raises it
             results.put((index, None, f"{type(error).__name__}: {error}"))
 
@@ -38,6 +43,9 @@ class DevicePool:
 
     def __init__(self, encoder, devices: Sequence[str]):
         self.devices = list(devices)
+        #: The settings the workers' copies hold: a pool runs only for an encoder with these (``check_use``).
+        self.config = encoder.config
+        self.closed = False
         context = mp.get_context("spawn")
         self._tasks = context.Queue()
         self._results = context.Queue()
@@ -49,13 +57,26 @@ class DevicePool:
             process.start()
         logger.info("Started %d encoding workers on %s", len(self._processes), ", ".join(self.devices))
 
-    def run(self, batches: Sequence[dict[str, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(batch index, embeddings)`` as workers finish them."""
+    def check_use(self, encoder) -> None:
+        """Refuse a stopped pool, or one whose workers hold other settings than ``encoder`` (they pool)."""
+        if self.closed:
+            raise ValueError("pool: this pool was stopped (stop_multi_process_pool); start a new one.")
+        if self.config != encoder.config:
+            changed = sorted(k for k, v in self.config.to_dict().items() if encoder.config.to_dict()[k] != v)
+            raise ValueError(
+                f"pool: its workers hold the encoder as it was when the pool started; these settings changed since: "
+                f"{', '.join(changed)}. Stop it and start a new one."
+            )
+
+    def run(
+        self, batches: Sequence[dict[str, torch.Tensor]], per_row: bool = False
+    ) -> Iterator[tuple[int, torch.Tensor | list[dict[str, torch.Tensor]]]]:
+        """Yield ``(batch index, embeddings)`` (with ``per_row``: ``(batch index, rows)``) as workers finish them."""
         for index, features in enumerate(batches):
-            self._tasks.put((index, features))
+            self._tasks.put((index, features, per_row))
         errors = []
         for _ in range(len(batches)):
-            index, embeddings, error = self._results.get()
+            index, embeddings, error = self._next_result()
             if error is None:
                 yield index, embeddings
             else:
@@ -63,7 +84,27 @@ class DevicePool:
         if errors:
             raise RuntimeError(f"Encoding workers failed on {len(errors)} batch(es); first: {errors[0]}")
 
+    def _next_result(self) -> tuple:
+        """The next worker result; a worker that died (killed, out of memory) is an error, not an endless wait."""
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                pairs = zip(self.devices, self._processes, strict=True)
+                dead = [(device, process.exitcode) for device, process in pairs if not process.is_alive()]
+                if dead:
+                    self.closed = True
+                    for process in self._processes:
+                        process.terminate()
+                    raise RuntimeError(
+                        f"Encoding worker(s) died: {', '.join(f'{d} (exit code {c})' for d, c in dead)}; the pool "
+                        "is stopped, start a new one."
+                    ) from None
+
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for _ in self._processes:
             self._tasks.put(None)
         for process in self._processes:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from sentence_transformers.base.modules.input_module import InputModule
 
+from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.encoder import Encoder
 from diffusion_embedder.templates import TextInput, parse_input
 
@@ -52,8 +53,15 @@ class EncoderModule(InputModule):
         return self.encoder._collate(tokenized)
 
     def forward(self, features: dict[str, torch.Tensor], **kwargs) -> dict[str, torch.Tensor]:
-        features["sentence_embedding"] = self.encoder(features).float()
-        return features
+        """``sentence_embedding`` (``Encoder.encode``'s maths), and ``token_embeddings`` with the per-token
+        features laid out as sentence-transformers expects (padding on the right, where it trims it)."""
+        if torch.is_grad_enabled():  # training: the plain path (oneDNN's linear op has no gradient)
+            features["sentence_embedding"] = self.encoder(features).float()
+            return features
+        with onednn_linear(self.encoder.model, self.encoder.device):
+            hidden = self.encoder._hidden_states(features)
+            features["sentence_embedding"] = self.encoder.get_pooling(features, hidden).float()
+        return _right_padded({**features, "token_embeddings": hidden.float()})
 
     def save(self, output_path: str, *args, **kwargs) -> None:
         self.encoder.save(output_path, merge_before_save=True)
@@ -82,3 +90,16 @@ class EncoderModule(InputModule):
         dtype = model_kwargs.pop("torch_dtype", model_kwargs.pop("dtype", None))
         attn = model_kwargs.pop("attn_implementation", None)
         return cls(Encoder.from_pretrained(path, torch_dtype=dtype, attn_implementation=attn, device="cpu"))
+
+
+def _right_padded(features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every per-token feature of a left-padded batch moved to the left of its row, padding after it."""
+    mask = features["attention_mask"]
+    width = mask.shape[1]
+    pads = width - mask.sum(-1, keepdim=True)
+    index = (torch.arange(width, device=mask.device) + pads) % width  # (B, L): row i rolled left by its padding
+    out = dict(features)
+    for key in ("input_ids", "attention_mask", "embed_mask", "token_embeddings"):
+        value = features[key]
+        out[key] = value.gather(1, index.view(*index.shape, *[1] * (value.dim() - 2)).expand_as(value))
+    return out

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import LLAMA_FIXTURE
+from sentence_transformers import SentenceTransformer
 from sentence_transformers.util import SimilarityFunction
 from sentence_transformers.util.quantization import quantize_embeddings as st_quantize
 
@@ -131,3 +132,85 @@ def test_return_types_and_keyword_only_arguments(encoder):
     assert isinstance(encode(encoder, TEXTS, convert_to_numpy=True, convert_to_tensor=True), torch.Tensor)
     with pytest.raises(TypeError):
         encoder.encode(TEXTS, 2, False, False, False, "cpu", "query")
+
+
+# ---------------------------------------------------------------- sentence-transformers 6.2's other encode options
+
+
+@pytest.fixture(scope="module")
+def stock_pair(tmp_path_factory):
+    """An encoder whose export uses sentence-transformers' own modules, and that export loaded there."""
+    plain = Encoder.from_pretrained(str(LLAMA_FIXTURE), skip_instruction=False, device="cpu")
+    folder = tmp_path_factory.mktemp("st")
+    plain.save(str(folder), format="sentence-transformers")
+    return plain, SentenceTransformer(str(folder), device="cpu")
+
+
+def test_output_value_token_embeddings_and_none_match_sentence_transformers(stock_pair):
+    """output_value="token_embeddings": each input's token states (padding removed); None: a dict per input; as in
+    sentence-transformers 6.2, truncate_dim touches the sentence embedding only and normalization neither."""
+    plain, model = stock_pair
+    ours = encode(plain, TEXTS, output_value="token_embeddings")
+    theirs = model.encode(TEXTS, output_value="token_embeddings")
+    assert isinstance(ours, list) and len(ours) == len(TEXTS)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == torch.float32 and a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    rows = encode(plain, TEXTS, output_value=None, truncate_dim=8, normalize_embeddings=True)
+    st_rows = model.encode(TEXTS, output_value=None, truncate_dim=8, normalize_embeddings=True)
+    full = encode(plain, TEXTS)
+    for i, (row, st_row) in enumerate(zip(rows, st_rows, strict=True)):
+        assert {"input_ids", "attention_mask", "token_embeddings", "sentence_embedding"} <= set(row) & set(st_row)
+        assert row["input_ids"].tolist() == st_row["input_ids"][st_row["attention_mask"].bool()].tolist()
+        assert torch.allclose(row["token_embeddings"], ours[i], atol=1e-6)
+        assert torch.allclose(row["sentence_embedding"], st_row["sentence_embedding"], atol=1e-5)
+        assert torch.allclose(row["sentence_embedding"], full[i, :8], atol=1e-6)  # cut, not normalized
+    one = model.encode("one", output_value="token_embeddings")
+    assert encode(plain, "one", output_value="token_embeddings").shape == one.shape
+    assert set(encode(plain, "one", output_value=None)) >= {"token_embeddings", "sentence_embedding"}
+    assert encode(plain, [], output_value="token_embeddings") == []
+    with pytest.raises(ValueError, match="Unknown output_value 'tokens'"):
+        encode(plain, TEXTS, output_value="tokens")
+    with pytest.raises(ValueError, match="precision='int8' quantizes sentence embeddings only"):
+        encode(plain, TEXTS, output_value="token_embeddings", precision="int8")
+
+
+def test_precision_none_is_float32_and_half_models_return_float32(stock_pair):
+    """precision=None is sentence-transformers' float32. A bfloat16 encoder returns float32 (LLM2Vec's dtype;
+    sentence-transformers returns the model's dtype for tensors and token states)."""
+    plain, _ = stock_pair
+    assert torch.equal(encode(plain, TEXTS, precision=None), encode(plain, TEXTS))
+    half = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype="bfloat16", device="cpu")
+    assert encode(half, TEXTS).dtype == torch.float32
+    assert encode(half, TEXTS, output_value="token_embeddings")[0].dtype == torch.float32
+
+
+def test_multi_process_pool_api(stock_pair):
+    """start_multi_process_pool / encode(pool=...) / encode_multi_process / stop_multi_process_pool: the same vectors
+    as a local encode; a stopped pool, a pool whose encoder changed settings since, or pool with device is refused."""
+    plain, _ = stock_pair
+    with pytest.raises(ValueError, match=r"target_devices='nonsense' is not a device name"):
+        plain.start_multi_process_pool(["nonsense"])
+    pool = plain.start_multi_process_pool(["cpu"])
+    try:
+        local = encode(plain, TEXTS)
+        assert torch.allclose(encode(plain, TEXTS, pool=pool, chunk_size=2), local, atol=1e-6)
+        tokens = encode(plain, TEXTS, pool=pool, output_value="token_embeddings")
+        for a, b in zip(tokens, encode(plain, TEXTS, output_value="token_embeddings"), strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+        numpy_out = plain.encode_multi_process(TEXTS, pool, normalize_embeddings=True)
+        assert isinstance(numpy_out, np.ndarray)
+        assert np.allclose(numpy_out, encode(plain, TEXTS, normalize_embeddings=True).numpy(), atol=1e-6)
+        with pytest.raises(ValueError, match="Pass either pool or device"):
+            encode(plain, TEXTS, pool=pool, device="cpu")
+        with pytest.raises(TypeError, match="pool must be what start_multi_process_pool"):
+            encode(plain, TEXTS, pool={"input": None})
+        plain.pooling_mode = "weighted_mean"
+        try:
+            with pytest.raises(ValueError, match="these settings changed since: pooling_mode"):
+                encode(plain, TEXTS, pool=pool)
+        finally:
+            plain.pooling_mode = "mean"
+    finally:
+        plain.stop_multi_process_pool(pool)
+    with pytest.raises(ValueError, match="this pool was stopped"):
+        encode(plain, TEXTS, pool=pool)

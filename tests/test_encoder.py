@@ -269,6 +269,64 @@ def test_llm2vec_alias_and_argument_names():
     assert np.allclose(wrapped.encode(case["inputs"], show_progress_bar=False).numpy(), out, atol=1e-6)
 
 
+def test_llm2vec_positional_constructor_reproduces_the_parity_fixture():
+    """LLM2Vec 0.2.3's positional order, LLM2Vec(model, tokenizer, pooling_mode, max_length, doc_max_length,
+    skip_instruction), gives LLM2Vec's own vectors for every bidirectional parity case; an EncoderConfig is still
+    taken third (told apart by type) or as config=."""
+    base = encoder_for(LLAMA_FIXTURE)
+    for case in json.loads((LLAMA_FIXTURE / "cases.json").read_text()):
+        if not case.get("enable_bidirectional", True):
+            continue
+        mode, length, skip = case["pooling_mode"], case["max_length"], case["skip_instruction"]
+        wrapped = LLM2Vec(base.model, base.tokenizer, mode, length, case.get("doc_max_length", 400), skip)
+        assert (wrapped.pooling_mode, wrapped.max_length, wrapped.skip_instruction) == (mode, length, skip)
+        got = wrapped.encode(case["inputs"], batch_size=4, show_progress_bar=False)
+        assert torch.allclose(got, torch.tensor(case["embeddings"]), atol=1e-4, rtol=0), case
+    short = LLM2Vec(base.model, base.tokenizer, "weighted_mean", 128, 64, False)
+    assert (short.config.max_length, short.config.doc_max_length, short.config.skip_instruction) == (128, 64, False)
+    assert Encoder(base.model, base.tokenizer, short.config).config == short.config
+    assert Encoder(base.model, base.tokenizer, config=short.config, max_length=32).config.max_length == 32
+    with pytest.raises(TypeError, match="An EncoderConfig given third holds every setting"):
+        Encoder(base.model, base.tokenizer, short.config, 256)
+
+
+def test_get_pooling_is_forwards_pooling_and_leaves_the_features():
+    """LLM2Vec's get_pooling(features, last_hidden_states): forward is the backbone then this; unlike LLM2Vec's it
+    does not overwrite features["attention_mask"] with the embed mask."""
+    encoder = encoder_for(LLAMA_FIXTURE)
+    for mode in ("mean", "weighted_mean", "last_token", "bos_token"):
+        encoder.pooling_mode = mode
+        features = encoder.tokenize(TEXTS)
+        before = {k: v.clone() for k, v in features.items()}
+        with torch.no_grad():
+            mask = features["attention_mask"]
+            positions = (mask.cumsum(-1) - 1).clamp_min(0)
+            hidden = encoder.model(input_ids=features["input_ids"], attention_mask=mask, position_ids=positions)
+            hidden = hidden.last_hidden_state
+            pooled = encoder.get_pooling(features, hidden)
+            assert torch.allclose(pooled, encoder(features), atol=1e-6), mode
+        assert all(torch.equal(features[k], before[k]) for k in before), mode
+        assert torch.allclose(pooled, encoder.encode(TEXTS, show_progress_bar=False), atol=1e-5), mode
+
+
+def test_resize_token_embeddings_and_gradient_checkpointing_reach_the_backbone():
+    """LLM2Vec passes both to its model; so does the encoder (with a LoRA adapter too)."""
+    encoder = encoder_for(LLAMA_FIXTURE)
+    embedding = encoder.resize_token_embeddings(1030, pad_to_multiple_of=8)
+    assert embedding.weight.shape[0] == 1032 == encoder.model.get_input_embeddings().weight.shape[0]
+
+    def checkpointing() -> bool:  # transformers 5.23's name, else the older one
+        if hasattr(type(encoder.model), "is_activation_checkpointing"):
+            return encoder.model.is_activation_checkpointing
+        return encoder.model.is_gradient_checkpointing
+
+    assert not checkpointing()
+    encoder.gradient_checkpointing_enable({"use_reentrant": False})
+    assert checkpointing()
+    encoder.model = get_peft_model(encoder.model, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert encoder.resize_token_embeddings(1040).weight.shape[0] == 1040
+
+
 def test_causal_encoder_differs_and_round_trips(tmp_path):
     bi = encoder_for(DREAM_FIXTURE)
     causal = encoder_for(DREAM_FIXTURE, enable_bidirectional=False)

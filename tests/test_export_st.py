@@ -3,21 +3,32 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+from dataclasses import replace
 
 import pytest
 import torch
-from conftest import DREAM_FIXTURE, LLAMA_FIXTURE
+from conftest import DREAM_FIXTURE, FAMILIES, LLAMA_FIXTURE, default_attention
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Transformer
 from transformers import AutoTokenizer
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.cli import main as cli_main
-from diffusion_embedder.export import ENCODER_MODULE, ST_TRANSFORMER, save_sentence_transformers
+from diffusion_embedder.export import (
+    ENCODER_MODULE,
+    ST_POOLING_MODES,
+    ST_TRANSFORMER,
+    custom_module_reasons,
+    save_sentence_transformers,
+    st_prompt,
+)
 from diffusion_embedder.folders import PEFT_012_LORA_FIELDS, legacy_adapter_config
 from diffusion_embedder.pooling import POOLING_MODES
+from diffusion_embedder.templates import parse_input
 
 PROMPTS = {"query": "Given a math problem, retrieve the relevant theorem", "document": "  Represent the proof  "}
 TEXTS = [
@@ -31,6 +42,9 @@ FIXTURES = {"llama": LLAMA_FIXTURE, "Dream": DREAM_FIXTURE}
 #: Settings sentence-transformers' Transformer + Pooling compute exactly (the rest need our module).
 STOCK = {("mean", False), ("weighted_mean", False), ("bos_token", False), ("bos_token", True), ("last_token", False),
          ("last_token", True)}  # last_token appends nothing (as LLM2Vec), so the stock module is exact
+#: Backbones whose tokenizer adds no token around a text (no BOS): an empty text there needs our module.
+NO_BOS = {"qwen2", "qwen3", "Dream", "llada"}
+EMPTY_TEXTS = ["", "x", " ", "A triangle has sides 3, 4 and 5.", ""]
 
 
 def load_st(path, **kwargs) -> SentenceTransformer:
@@ -61,7 +75,8 @@ def test_round_trip(tmp_path, family, pooling_mode, skip_instruction):
     )
     encoder.save(str(tmp_path), format="sentence-transformers")
     module = json.loads((tmp_path / "modules.json").read_text())[0]["type"]
-    assert module == (ST_TRANSFORMER if (pooling_mode, skip_instruction) in STOCK else ENCODER_MODULE)
+    stock = (pooling_mode, skip_instruction) in STOCK and family not in NO_BOS
+    assert module == (ST_TRANSFORMER if stock else ENCODER_MODULE)
     model = load_st(tmp_path)
     ours = encoder.encode(TEXTS, show_progress_bar=False)
     assert max_diff(model.encode(TEXTS), ours) < 1e-5
@@ -97,7 +112,9 @@ def test_bidirectional_attention_survives_sentence_transformers_loading(tmp_path
     assert max_diff(load_st(tmp_path / "causal").encode(TEXTS), ours_causal) < 1e-5
 
 
-def test_dream_is_written_as_qwen2_and_loads_without_remote_code(tmp_path):
+def test_dream_is_written_as_qwen2_without_remote_code_files(tmp_path):
+    """Config, tokenizer and weights load with transformers' own classes; the folder names our module (Dream has no
+    BOS, so an empty text needs it), which sentence-transformers imports with trust_remote_code=True."""
     encoder = Encoder.from_pretrained(str(DREAM_FIXTURE), skip_instruction=False, device="cpu")
     encoder.save(str(tmp_path), format="sentence-transformers")
     config = json.loads((tmp_path / "config.json").read_text())
@@ -106,8 +123,88 @@ def test_dream_is_written_as_qwen2_and_loads_without_remote_code(tmp_path):
     assert not list(tmp_path.glob("*.py"))
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))  # no trust_remote_code
     assert tokenizer("a b")["input_ids"] == encoder.tokenizer("a b")["input_ids"]
-    model = SentenceTransformer(str(tmp_path), device="cpu")
+    assert json.loads((tmp_path / "modules.json").read_text())[0]["type"] == ENCODER_MODULE
+    model = SentenceTransformer(str(tmp_path), device="cpu", trust_remote_code=True)
     assert max_diff(model.encode(TEXTS), encoder.encode(TEXTS, show_progress_bar=False)) < 1e-5
+
+
+def close(a, b) -> bool:
+    """Equal to 1e-6, absolute or relative (Gemma's scaled states reach tens)."""
+    return torch.allclose(torch.as_tensor(a), torch.as_tensor(b), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_backbone_gives_an_empty_text_the_encoders_vector_or_names_our_module(tmp_path, family_checkpoint,
+                                                                                  family):
+    """Every pooling mode sentence-transformers' Pooling covers, both skip_instruction values: `""` alone and inside a
+    batch gets Encoder.encode's vector. Where the tokenizer adds no BOS the stock Transformer would give it no token
+    (a crash alone, another vector in a batch), so the export names our module and says why."""
+    base = Encoder.from_pretrained(
+        str(family_checkpoint(family)), attn_implementation=default_attention(family), device="cpu"
+    )
+    assert (not base.tokenizer("")["input_ids"]) == (family in NO_BOS)
+    load_kwargs = {"model_kwargs": {"attn_implementation": default_attention(family)}}
+    for mode in ST_POOLING_MODES:
+        for skip_instruction in (False, True):
+            config = replace(base.config, pooling_mode=mode, skip_instruction=skip_instruction, eos_suffix=None)
+            encoder = Encoder(base.model, base.tokenizer, config=config)
+            reasons = custom_module_reasons(encoder)
+            assert any("an empty text has no tokens" in r for r in reasons) == (family in NO_BOS), (mode, reasons)
+            folder = tmp_path / f"{mode}-{skip_instruction}"
+            encoder.save(str(folder), format="sentence-transformers")
+            module = json.loads((folder / "modules.json").read_text())[0]["type"]
+            assert module == (ENCODER_MODULE if reasons else ST_TRANSFORMER)
+            model = load_st(folder, **load_kwargs)
+            where = (family, mode, skip_instruction, module)
+            assert close(model.encode(EMPTY_TEXTS), encoder.encode(EMPTY_TEXTS, show_progress_bar=False)), where
+            assert close(model.encode([""]), encoder.encode([""], show_progress_bar=False)), where
+
+
+def test_stock_folders_load_without_the_flag_ours_say_why_they_need_it(tmp_path, caplog):
+    """sentence-transformers 6.2 imports a module class from outside its package only with trust_remote_code=True:
+    a stock folder loads without it; one naming our module says why it needs it and shows the flag (card, log)."""
+    stock = Encoder.from_pretrained(str(LLAMA_FIXTURE), skip_instruction=False, device="cpu")
+    stock.save(str(tmp_path / "stock"), format="sentence-transformers")
+    model = SentenceTransformer(str(tmp_path / "stock"), device="cpu")  # no flag
+    assert max_diff(model.encode(TEXTS), stock.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    card = (tmp_path / "stock" / "README.md").read_text()
+    assert "trust_remote_code=True" not in card and "no `trust_remote_code`" in card
+
+    ours = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")  # skip_instruction with mean pooling
+    folder = tmp_path / "ours"
+    with caplog.at_level(logging.WARNING, logger="diffusion_embedder.export"):
+        ours.save(str(folder), format="sentence-transformers")
+    logged = caplog.text
+    assert "skip_instruction=True with mean pooling" in logged
+    assert f"SentenceTransformer({str(folder)!r}, trust_remote_code=True)" in logged
+    card = (folder / "README.md").read_text()
+    assert f'SentenceTransformer("{folder}", trust_remote_code=True)' in card
+    assert "- skip_instruction=True with mean pooling" in card and "#3801" in card
+    with pytest.raises(ValueError, match="diffusion_embedder.st_modules.EncoderModule"):
+        SentenceTransformer(str(folder), device="cpu")
+    model = SentenceTransformer(str(folder), device="cpu", trust_remote_code=True)
+    assert max_diff(model.encode(TEXTS), ours.encode(TEXTS, show_progress_bar=False)) < 1e-5
+    tokens = ours.encode(TEXTS, output_value="token_embeddings", show_progress_bar=False)
+    for a, b in zip(model.encode(TEXTS, output_value="token_embeddings"), tokens, strict=True):
+        assert a.shape == b.shape and max_diff(a, b) < 1e-6  # our module's token states, in its layout
+    with pytest.raises(ValueError, match=r"trust_remote_code=True\)"):
+        save_sentence_transformers(ours, str(tmp_path / "refused"), stock_only=True)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_prompt_exclusion_of_sentence_transformers_is_not_our_pooled_span(tmp_path, family):
+    """Why skip_instruction keeps our module: Pooling(include_prompt=False) drops as many tokens as the prompt has
+    alone, whose trailing space is a token of its own; in the row the space joins the text's first word, so token by
+    token the excluded part ends one past the instruction (it drops the text's first token)."""
+    encoder = Encoder.from_pretrained(str(FIXTURES[family]), skip_instruction=False, device="cpu")
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    transformer = Transformer(str(tmp_path))
+    prompt = st_prompt(PROMPTS["query"])
+    prompt_length = transformer._get_prompt_length(prompt)  # what Pooling(include_prompt=False) excludes
+    for text in ("x", "A triangle has sides 3, 4 and 5.", "(parenthesis first) then words"):
+        [row] = encoder._tokenize_items([parse_input([PROMPTS["query"], text], 0)])
+        assert row.input_ids == transformer.preprocess([prompt + text])["input_ids"][0].tolist()  # the same row
+        assert prompt_length == len(row.input_ids) - row.span + 1, text  # one token of the text dropped
 
 
 def test_long_texts_with_prompts_are_cut_as_the_encoder_cuts_them(tmp_path):

@@ -120,6 +120,54 @@ def test_bad_encode_arguments_name_the_problem(encoders, family):
     assert torch.equal(encoder.encode((t for t in ["a", "b"]), show_progress_bar=False), expected)
 
 
+@pytest.mark.parametrize("family", BACKBONES)
+def test_bad_encode_limits_and_devices_name_the_argument(encoders, family):
+    """No limit is silently read as "none" or as an empty vector, no device error comes from deep inside torch, and a
+    length message names the value in force for the call."""
+    encoder = encoders(family)
+    for value in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"max_tokens_per_batch must be an integer >= 1, got {value!r}"):
+            encoder.encode(["a", "b"], max_tokens_per_batch=value, show_progress_bar=False)
+    for value in (0, -3, 65, 2.0):
+        expected = rf"truncate_dim must be an integer from 1 to the embedding dimension 64 .*got {value!r}"
+        with pytest.raises(ValueError, match=expected):
+            encoder.encode(["a", "b"], truncate_dim=value, show_progress_bar=False)
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (any GPU, on a CPU-only machine)
+    for device in (missing, ["cpu", missing]):
+        with pytest.raises(ValueError, match=rf"device='{missing}': .*; available: cpu"):
+            encoder.encode(["a"], device=device, show_progress_bar=False)
+    with pytest.raises(ValueError, match=r"device='nonsense' is not a device name .*; available: cpu"):
+        encoder.encode(["a"], device="nonsense", show_progress_bar=False)
+    with pytest.raises(ValueError, match=r"take \d+ tokens, more than max_length=5;"):
+        encoder.encode([["Retrieve the theorem that proves " * 3, "x"]], max_length=5, show_progress_bar=False)
+    if getattr(encoder.model.config, "mask_token_id", None) is not None:
+        readout = with_mode(encoder, "mask_token", True)
+        with pytest.raises(ValueError, match=r"max_length=1 leaves no token for the text: mask_token pooling"):
+            readout.encode(["a"], max_length=1, show_progress_bar=False)
+
+
+@pytest.mark.parametrize("family", BACKBONES)
+def test_bad_from_pretrained_arguments_fail_before_the_weights_load(family_checkpoint, family, monkeypatch, tmp_path):
+    """An unknown attn_implementation, an adapter path with no adapter, an unknown keyword or device: our message
+    naming the argument, the value and the choices (or the closest name), before any weight is read."""
+    path = str(family_checkpoint(family))
+    monkeypatch.setattr(backbones.AutoModel, "from_pretrained", _no_weights)
+    choices = r"choose one of eager, .*sdpa.*, or a hub kernel 'org/repo' \(did you mean 'sdpa'\?\)"
+    with pytest.raises(ValueError, match=rf"Unknown attn_implementation 'sdpaa'; {choices}"):
+        Encoder.from_pretrained(path, attn_implementation="sdpaa")
+    nowhere = str(tmp_path / "no-adapter")
+    with pytest.raises(FileNotFoundError, match=rf"peft_model_name_or_path='{re.escape(nowhere)}' is not a PEFT"):
+        Encoder.from_pretrained(path, peft_model_name_or_path=nowhere)
+    with pytest.raises(FileNotFoundError, match=r"that folder has no adapter_config.json"):
+        Encoder.from_pretrained(path, peft_model_name_or_path=str(tmp_path))
+    for name, value, closest in (("pooling_mod", "mean", "pooling_mode"), ("revsion", "main", "revision"),
+                                 ("attn_implementaton", "eager", "attn_implementation")):
+        with pytest.raises(TypeError, match=rf"unknown keyword argument {name}='{value}'.*did you mean '{closest}'"):
+            Encoder.from_pretrained(path, **{name: value})
+    with pytest.raises(ValueError, match=r"device='nonsense' is not a device name"):
+        Encoder.from_pretrained(path, device="nonsense")
+
+
 # ---------------------------------------------------------------- torch_dtype
 
 
