@@ -253,3 +253,29 @@ def test_config_accepts_exactly_the_registered_losses():
         cfg = validate({**MINIMAL, "loss_class": name})
         assert isinstance(loss_from_config(cfg.custom.loss_class, cfg.custom), spec.loss)
     assert "loss_class: 'Triplet' is not one of" in errors_of({**MINIMAL, "loss_class": "Triplet"})
+
+
+@pytest.mark.parametrize("installed", ["activation_checkpointing", "gradient_checkpointing"])
+def test_checkpointing_is_read_under_the_installed_transformers_spelling(installed):
+    """transformers 5.23 names it activation_checkpointing, 5.17 (the GPU machines) gradient_checkpointing: the
+    shipped configs use one spelling and must validate on both releases."""
+    from diffusion_embedder.training.schema import StageSchema
+
+    @dataclasses.dataclass
+    class Release:  # stands in for the installed TrainingArguments, holding only one spelling
+        output_dir: str | None = None
+        remove_unused_columns: bool = True
+
+    field = dataclasses.field(default=False)
+    field_kwargs = dataclasses.field(default=None)
+    Release = dataclasses.make_dataclass(
+        "Release", [(installed, bool, field), (f"{installed}_kwargs", dict | None, field_kwargs)], bases=(Release,)
+    )
+    schema = StageSchema((Release,))
+    for spelling in ("activation_checkpointing", "gradient_checkpointing"):
+        values = {"output_dir": "o", spelling: True, f"{spelling}_kwargs": {"use_reentrant": False}}
+        (args,) = schema.validate(values)
+        assert getattr(args, installed) is True and getattr(args, f"{installed}_kwargs") == {"use_reentrant": False}
+    both = {"output_dir": "o", "activation_checkpointing": True, "gradient_checkpointing": True}
+    with pytest.raises(ConfigError, match="same setting"):
+        schema.validate(both)

@@ -28,6 +28,11 @@ class ConfigError(ValueError):
     """A training config that cannot run; the message lists every problem found."""
 
 
+#: TrainingArguments fields transformers renamed (5.23 ``activation_*``, 5.17 on the GPU machines ``gradient_*``):
+#: a config may use either spelling, read under the one the installed release has.
+_RENAMED = (("activation_checkpointing", "gradient_checkpointing"),
+            ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
+TRANSFORMERS_RENAMES = _RENAMED + tuple((new, old) for old, new in _RENAMED)
 #: Defaults that differ from TrainingArguments' (our datasets are not `datasets.Dataset`s).
 TRAINING_DEFAULTS = {"remove_unused_columns": False}
 #: TrainingArguments fields a stage cannot run without: missing when absent or null.
@@ -222,9 +227,12 @@ class StageSchema:
         return fields_help(self.classes[:-1])
 
     def canonical(self, values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """Upstream names (``metadata["alias"]``) renamed to ours; giving both names of one setting is an error."""
+        """Upstream names (``metadata["alias"]``) renamed to ours, and a TrainingArguments field renamed between
+        transformers releases to the installed spelling; giving both names of one setting is an error."""
         values, errors = dict(values), []
-        for alias, name in field_aliases(self.classes).items():
+        table = field_table(self.classes)
+        renames = {old: new for old, new in TRANSFORMERS_RENAMES if old not in table and new in table}
+        for alias, name in {**field_aliases(self.classes), **renames}.items():
             if alias in values:
                 if name in values:
                     errors.append(f"{alias} and {name} are the same setting; give one")
