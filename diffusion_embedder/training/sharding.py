@@ -248,7 +248,7 @@ def check_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, plu
             "layer class in fsdp_config.transformer_layer_cls_to_wrap"
         )
     checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    if plugin.activation_checkpointing and not checkpointed:
+    if getattr(plugin, "activation_checkpointing", False) and not checkpointed:
         raise ShardingError(
             "fsdp_config.activation_checkpointing: true, but no layer was wrapped for checkpointing (name the "
             "decoder layer class in fsdp_config.transformer_layer_cls_to_wrap)"
@@ -275,8 +275,9 @@ class ShardingCheck(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        plugin = self.trainer.accelerator.state.fsdp_plugin
-        logger.info("%s", check_sharded(model, optimizer, plugin, args.world_size))
+        plugin = getattr(self.trainer.accelerator.state, "fsdp_plugin", None)
+        wrapped = self.trainer.model_wrapped  # the model itself under FSDP2; a DDP wrapper says so by its name
+        logger.info("%s", check_sharded(wrapped, optimizer, plugin, args.world_size))
 
 
 def checkpoint_layout(trainer: Any) -> str | None:

@@ -95,7 +95,7 @@ class RunTrainer(Trainer):
         self._pending: tuple[str, int] | None = None  # saved, not yet called good
         if self.callback_handler.pop_callback(TensorBoardCallback) is not None:
             self.add_callback(EncoderTensorBoardCallback())
-        if self.is_fsdp_enabled:
+        if self.args.fsdp_plugin_args:  # asked for: checked once the model is wrapped, whatever wrapped it
             self.add_callback(ShardingCheck(self))
 
     def create_accelerator_and_postprocess(self) -> None:
