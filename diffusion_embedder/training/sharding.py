@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 #: ``fsdp`` words (transformers' legacy spelling) that FSDP2 honours; the others are FSDP1's or offload.
 FSDP_WORDS = ("full_shard", "shard_grad_op", "auto_wrap")
-#: ``fsdp_config`` keys we honour (transformers strips a leading ``fsdp_``): allowed values, or the type.
+#: ``fsdp_config`` keys we honour (transformers strips a leading ``fsdp_``): the allowed values, the type, or the
+#: types (a tuple of types).
 FSDP_CONFIG_KEYS: dict[str, tuple | type] = {
     "version": (2,),
     "reshard_after_forward": bool,
@@ -139,12 +140,6 @@ def config_problems(values: dict[str, Any]) -> list[str]:
             errors.append(f"fsdp_config: unknown key {key!r}{hint} (transformers would ignore it)")
         else:
             errors += [p for p in [_value_problem(key, value)] if p]
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if values.get(name):
-            errors.append(
-                f"{name}: under fsdp, set fsdp_config.activation_checkpointing: true instead (FSDP's own, per "
-                "decoder layer; the training argument's adds an all-gather to every backward)"
-            )
     return errors
 
 
@@ -164,6 +159,12 @@ def lm_stage_rules(values: dict[str, Any]) -> list[str]:
             f"fsdp: {values['fsdp']!r} needs full_training: true (the LM stage shards only a full-weight run; "
             "its LoRA fits one GPU per process and trains with DDP: drop fsdp)"
         )
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if values.get(name):
+            errors.append(
+                f"{name}: under fsdp, set fsdp_config.activation_checkpointing: true instead (FSDP's own, per "
+                "decoder layer; the training argument's adds an all-gather to every backward)"
+            )
     return errors
 
 

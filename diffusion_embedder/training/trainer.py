@@ -190,11 +190,8 @@ class RunTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         if self.is_fsdp_enabled:
             model.save(output_dir, state_dict=state_dict)
-        elif hasattr(model, "save"):
-            model.save(output_dir)
-            save_trainable(model, output_dir)
         else:
-            model.save_pretrained(output_dir)
+            (model.save if hasattr(model, "save") else model.save_pretrained)(output_dir)
             save_trainable(model, output_dir)
         if self.run_config is not None:
             write_config(output_dir, self.run_config)
