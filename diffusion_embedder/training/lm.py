@@ -11,7 +11,8 @@ The output folder is laid out like LLM2Vec's ``-mntp`` repos: the base's ``confi
 adapter of the inner model (``adapter_config.json`` + ``adapter_model.safetensors``) and the
 tokenizer, so ``Encoder.from_pretrained(OUTPUT)`` merges it and a supervised config can start from
 it (``model_name_or_path: OUTPUT``). With ``full_training`` (pretraining a small model from scratch)
-every weight trains and the folder holds the full weights instead of an adapter.
+every weight trains and the folder holds the full weights instead of an adapter; ``fsdp`` shards such a run
+over torchrun's ranks (``sharding.py``).
 """
 
 from __future__ import annotations
