@@ -232,10 +232,11 @@ def test_completion_marker_is_written_after_every_other_file(tmp_path, monkeypat
     real = trainer_module.write_complete_marker
     seen = []
 
-    def spy(folder, step, world_size):
-        missing = [name for name in required_files(world_size)[:-1] if not os.path.isfile(os.path.join(folder, name))]
+    def spy(folder, step, world_size, layout=None):
+        needed = required_files(world_size, layout)[:-1]
+        missing = [name for name in needed if not os.path.isfile(os.path.join(folder, name))]
         seen.append((step, missing))
-        real(folder, step, world_size)
+        real(folder, step, world_size, layout)
 
     monkeypatch.setattr(trainer_module, "write_complete_marker", spy)
     run = Path(

@@ -33,6 +33,7 @@ from diffusion_embedder.training.schema import (
     field_choices,
     field_table,
 )
+from diffusion_embedder.training.sharding import lora_stage_rules
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -181,7 +182,7 @@ class CustomArguments(RunArguments, LoraArguments):
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
-SUPERVISED = StageSchema(ARGUMENT_CLASSES)
+SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules,))
 #: The allowed values of every supervised field with fixed choices (read from the fields' metadata).
 CHOICES = field_choices(ARGUMENT_CLASSES[:3])
 

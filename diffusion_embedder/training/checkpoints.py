@@ -12,6 +12,11 @@ Resuming is exact or refused: ``validate_checkpoint`` checks that every file the
 continue exactly (optimizer, scheduler, each rank's RNG state, trainer state, trainable tensors,
 config record) is there and readable, and ``config_differences`` that the checkpoint was trained
 with the same config, except the keys in ``RESUME_MAY_DIFFER``.
+
+A sharded (FSDP2) run's checkpoint holds the model and optimizer state in accelerate's layout instead of
+``trainable.safetensors`` and ``optimizer.pt`` (``SHARDED_LAYOUTS``; the marker names the layout): gathered on
+rank 0 (FULL_STATE_DICT) or one ``torch.distributed.checkpoint`` folder each, every rank writing its shard
+(SHARDED_STATE_DICT). Its model folder holds the full, gathered weights all the same.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from accelerate.utils.constants import FSDP_MODEL_NAME
+from accelerate.utils.constants import OPTIMIZER_NAME as FSDP_OPTIMIZER_NAME
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
@@ -68,6 +75,11 @@ RESUME_MAY_DIFFER = frozenset(
         "dataloader_prefetch_factor",
     }
 )
+#: A sharded checkpoint's layout (as the marker names it) -> its model and optimizer state files or folders.
+SHARDED_LAYOUTS = {
+    "fsdp2/FULL_STATE_DICT": (f"{FSDP_MODEL_NAME}.bin", f"{FSDP_OPTIMIZER_NAME}.bin"),
+    "fsdp2/SHARDED_STATE_DICT": (f"{FSDP_MODEL_NAME}_0", f"{FSDP_OPTIMIZER_NAME}_0"),
+}
 _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
@@ -133,12 +145,16 @@ def write_config(folder: str | os.PathLike, config: dict[str, Any]) -> None:
         json.dump(config, f, indent=2)
 
 
-def write_complete_marker(folder: str | os.PathLike, global_step: int, world_size: int) -> None:
+def write_complete_marker(
+    folder: str | os.PathLike, global_step: int, world_size: int, layout: str | None = None
+) -> None:
     """Called once every other file of the checkpoint is on disk (every rank's). Written whole or not at all
-    (a temporary file renamed), so a failed write never leaves a marker behind."""
+    (a temporary file renamed), so a failed write never leaves a marker behind. ``layout``: a sharded run's
+    (``SHARDED_LAYOUTS``), None for the others."""
     path = os.path.join(folder, COMPLETE_MARKER)
+    record = {"global_step": global_step, "world_size": world_size, **({"layout": layout} if layout else {})}
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"global_step": global_step, "world_size": world_size}, f)
+        json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -212,11 +228,12 @@ def rng_files(world_size: int) -> list[str]:
     return ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{rank}.pth" for rank in range(world_size)]
 
 
-def required_files(world_size: int) -> list[str]:
-    """Every file an exact resume reads, the completion marker last."""
+def required_files(world_size: int, layout: str | None = None) -> list[str]:
+    """Every file (or checkpoint folder) an exact resume reads, the completion marker last."""
+    model, optimizer = SHARDED_LAYOUTS[layout] if layout else (TRAINABLE_WEIGHTS, OPTIMIZER_NAME)
     return [
-        TRAINABLE_WEIGHTS,
-        OPTIMIZER_NAME,
+        model,
+        optimizer,
         SCHEDULER_NAME,
         *rng_files(world_size),
         TRAINER_STATE_NAME,
@@ -225,9 +242,26 @@ def required_files(world_size: int) -> list[str]:
     ]
 
 
+def _read_distributed_checkpoint(path: str) -> None:
+    """A ``torch.distributed.checkpoint`` folder: its metadata, and every shard file it names, whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    extent: dict[str, int] = {}
+    for item in FileSystemReader(path).read_metadata().storage_data.values():
+        extent[item.relative_path] = max(extent.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(extent.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"its shard {name} is missing")
+        if os.path.getsize(shard) < size:
+            raise ValueError(f"its shard {name} is truncated ({os.path.getsize(shard)} of {size} bytes)")
+
+
 def _read(path: str) -> None:
     """Raise if the file cannot be read back (missing, truncated, not of its format)."""
-    if path.endswith(".json"):
+    if os.path.isdir(path):
+        _read_distributed_checkpoint(path)
+    elif path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             json.load(f)
     elif path.endswith(".safetensors"):
@@ -241,14 +275,17 @@ def checkpoint_problem(folder: str | os.PathLike, world_size: int) -> str | None
     """Why ``folder`` cannot be resumed exactly by ``world_size`` ranks, or None if it can."""
     try:
         with open(os.path.join(folder, COMPLETE_MARKER), encoding="utf-8") as f:
-            saved_world = json.load(f).get("world_size", world_size)
+            marker = json.load(f)
+        saved_world, layout = marker.get("world_size", world_size), marker.get("layout")
     except (OSError, ValueError, AttributeError):
-        saved_world = world_size  # reported below as missing or unreadable
+        saved_world, layout = world_size, None  # reported below as missing or unreadable
     if saved_world != world_size:
         return f"{folder} was written by {saved_world} process(es), this run has {world_size}"
-    for name in required_files(world_size):
+    if layout is not None and layout not in SHARDED_LAYOUTS:
+        return f"{folder} holds its state in a layout this version does not know ({layout!r})"
+    for name in required_files(world_size, layout):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             if name == OPTIMIZER_NAME and os.path.isfile(os.path.join(folder, TRAINABLE_WEIGHTS)):
                 return f"{path} is missing (a run with save_only_model=true cannot resume exactly)"
             return f"{path} is missing"

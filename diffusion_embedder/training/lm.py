@@ -11,7 +11,8 @@ The output folder is laid out like LLM2Vec's ``-mntp`` repos: the base's ``confi
 adapter of the inner model (``adapter_config.json`` + ``adapter_model.safetensors``) and the
 tokenizer, so ``Encoder.from_pretrained(OUTPUT)`` merges it and a supervised config can start from
 it (``model_name_or_path: OUTPUT``). With ``full_training`` (pretraining a small model from scratch)
-every weight trains and the folder holds the full weights instead of an adapter.
+every weight trains and the folder holds the full weights instead of an adapter; ``fsdp`` shards such a run
+over torchrun's ranks (``sharding.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from diffusion_embedder.training.runner import (
     run_cli,
 )
 from diffusion_embedder.training.schema import ConfigError, StageSchema
+from diffusion_embedder.training.sharding import lm_stage_rules
 from diffusion_embedder.training.trainer import RunTrainer
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ LM_STAGE = StageSchema(
         "mlm_probability": ((0, False), (1, True)),
         "mdm_eps": ((0, False), (1, False)),
     },
+    rules=(lm_stage_rules,),
 )
 
 
@@ -122,12 +125,30 @@ class AdaptedLM(nn.Module):
     def config(self):
         return self.lm.config
 
+    # What FSDP2's wrapping reads (accelerate): each decoder layer its own unit, the embeddings theirs.
+    @property
+    def _no_split_modules(self) -> list[str] | None:
+        return getattr(self.lm, "_no_split_modules", None)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm.get_output_embeddings()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    def save(self, folder: str) -> None:
+    def save(self, folder: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """The folder; ``state_dict`` (this module's, gathered from the shards under FSDP) replaces the weights'
+        own tensors."""
         os.makedirs(folder, exist_ok=True)
-        if self.full:
+        if state_dict is not None:
+            if not self.full:
+                raise ValueError("a gathered state dict is only written for a full-weight run")
+            weights = {name.removeprefix("lm."): tensor for name, tensor in state_dict.items()}
+            self.lm.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+        elif self.full:
             self.lm.save_pretrained(folder, safe_serialization=True)
         else:
             self.lm.model.save_pretrained(folder)  # the inner model's adapter, as LLM2Vec's save_peft_model

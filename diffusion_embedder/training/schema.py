@@ -17,6 +17,7 @@ import enum
 import os
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,10 @@ REQUIREMENTS = {
     ),
 }
 
+#: Fields whose accepted values are wider than their annotation: transformers documents ``fsdp: true`` but
+#: annotates ``fsdp`` as a string.
+TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None}
+
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
 
@@ -143,7 +148,7 @@ def field_table(classes: tuple[type, ...]) -> dict[str, FieldEntry]:
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for name, f in argument_fields(cls).items():
-            table.setdefault(name, (cls, f, hints[name]))
+            table.setdefault(name, (cls, f, TYPE_OVERRIDES.get(name, hints[name])))
     return table
 
 
@@ -216,11 +221,12 @@ def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[
 
 @dataclass(frozen=True)
 class StageSchema:
-    """A stage's config: its argument ``classes`` (``TrainingArguments`` last) and its own numeric
-    ``ranges`` (added to ``RANGES``)."""
+    """A stage's config: its argument ``classes`` (``TrainingArguments`` last), its own numeric ``ranges`` (added
+    to ``RANGES``) and its ``rules`` across fields (each returns one message per problem, naming the field)."""
 
     classes: tuple[type, ...]
     ranges: dict[str, tuple] = field(default_factory=dict)
+    rules: tuple[Callable[[dict[str, Any]], list[str]], ...] = ()
 
     def fields_help(self) -> str:
         """``--help``: one line per field of the stage's own classes (type, default, choices, help)."""
@@ -250,6 +256,7 @@ class StageSchema:
         for name in REQUIRED_TRAINING:
             if values.get(name) is None:
                 errors.append(f"missing required field {name!r} (TrainingArguments)")
+        errors += [problem for rule in self.rules for problem in rule(values)]
         return errors + range_errors(values, {**RANGES, **self.ranges}) + requirement_errors(values)
 
     def validate(self, values: dict[str, Any], source: str = "config") -> list[Any]:

@@ -47,6 +47,7 @@ from diffusion_embedder.training.checkpoints import (
     writing,
 )
 from diffusion_embedder.training.grad_cache import Features, grad_cache_step
+from diffusion_embedder.training.sharding import ShardingCheck, checkpoint_layout, enable, local
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,13 @@ class RunTrainer(Trainer):
         self._pending: tuple[str, int] | None = None  # saved, not yet called good
         if self.callback_handler.pop_callback(TensorBoardCallback) is not None:
             self.add_callback(EncoderTensorBoardCallback())
+        if self.args.fsdp_plugin_args:  # asked for: checked once the model is wrapped, whatever wrapped it
+            self.add_callback(ShardingCheck(self))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's, then FSDP2 in force as the config asked, on CPU too (``sharding.enable``)."""
+        super().create_accelerator_and_postprocess()
+        enable(self)
 
     # ------------------------------------------------------------------ NaN/inf stop
     def _any_rank(self, flag: torch.Tensor) -> bool:
@@ -132,7 +140,7 @@ class RunTrainer(Trainer):
         """Stop every rank together if a trainable tensor holds NaN/inf (no checkpoint is written then)."""
         model = self.accelerator.unwrap_model(self.model)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        flags = [torch.isfinite(p).all().to(self.args.device) for _, p in trainable]
+        flags = [torch.isfinite(local(p)).all().to(self.args.device) for _, p in trainable]
         finite = torch.stack(flags) if flags else torch.ones(0, dtype=torch.bool, device=self.args.device)
         if not self._any_rank(~finite.all()):
             return
@@ -169,17 +177,26 @@ class RunTrainer(Trainer):
             "learning_rate is %g, the checkpoint was trained with %g: the schedule continues at the new rate.", new, old
         )
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP every rank gathers its shards and rank 0 writes the full weights, whatever the checkpoints'
+        ``state_dict_type`` (the Trainer writes no model folder under SHARDED_STATE_DICT)."""
+        if not self.is_fsdp_enabled:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = self.accelerator.get_state_dict(self.model)
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The model's own folder, plus the exact trainable tensors and the config record."""
+        """The model's own folder, plus the exact trainable tensors and the config record; under FSDP the folder
+        from the gathered ``state_dict`` (the shards resume from accelerate's files, ``checkpoints.py``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "save"):
-            model.save(output_dir)
+        if self.is_fsdp_enabled:
+            model.save(output_dir, state_dict=state_dict)
         else:
-            model.save_pretrained(output_dir)
-        save_trainable(model, output_dir)
+            (model.save if hasattr(model, "save") else model.save_pretrained)(output_dir)
+            save_trainable(model, output_dir)
         if self.run_config is not None:
             write_config(output_dir, self.run_config)
 
@@ -210,12 +227,15 @@ class RunTrainer(Trainer):
         if self.args.should_save:
             folder = checkpoint_folder(run_dir, step)
             with writing(folder, run_dir):
-                write_complete_marker(folder, step, self.args.world_size)
+                write_complete_marker(folder, step, self.args.world_size, checkpoint_layout(self))
             rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         target = model if model is not None else self.model
-        load_trainable(self.accelerator.unwrap_model(target), resume_from_checkpoint)
+        if self.is_fsdp_enabled:  # the shards, from accelerate's files
+            super()._load_from_checkpoint(resume_from_checkpoint, target)
+        else:
+            load_trainable(self.accelerator.unwrap_model(target), resume_from_checkpoint)
         self.resumed_from = resume_from_checkpoint
 
 
