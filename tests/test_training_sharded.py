@@ -31,8 +31,8 @@ from diffusion_embedder.training import lm
 from diffusion_embedder.training.arguments import SUPERVISED
 from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, CheckpointError, validate_checkpoint
 from diffusion_embedder.training.claim import CLAIM_FILE
+from diffusion_embedder.training.fsdp import ShardingError, check_sharded, enable
 from diffusion_embedder.training.schema import ConfigError
-from diffusion_embedder.training.sharding import ShardingError, check_sharded, enable
 
 ROOT = Path(__file__).resolve().parents[1]
 MNTP = ROOT / "train_configs" / "tiny" / "mntp.json"
@@ -53,7 +53,7 @@ import json, os, sys
 import torch
 from transformers import TrainerCallback
 from diffusion_embedder.training import claim, lm
-from diffusion_embedder.training.sharding import local
+from diffusion_embedder.training.fsdp import local
 
 out, rank = sys.argv[1], os.environ["RANK"]
 acquire = claim.acquire

@@ -24,6 +24,7 @@ from diffusion_embedder.data.batching import GROUP_BY
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.losses import LOSSES
+from diffusion_embedder.training.fsdp import lora_stage_rules
 from diffusion_embedder.training.schema import (
     TRAINING_DEFAULTS,
     ConfigError,
@@ -33,7 +34,6 @@ from diffusion_embedder.training.schema import (
     field_choices,
     field_table,
 )
-from diffusion_embedder.training.sharding import lora_stage_rules
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")

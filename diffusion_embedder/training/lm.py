@@ -12,7 +12,7 @@ adapter of the inner model (``adapter_config.json`` + ``adapter_model.safetensor
 tokenizer, so ``Encoder.from_pretrained(OUTPUT)`` merges it and a supervised config can start from
 it (``model_name_or_path: OUTPUT``). With ``full_training`` (pretraining a small model from scratch)
 every weight trains and the folder holds the full weights instead of an adapter; ``fsdp`` shards such a run
-over torchrun's ranks (``sharding.py``).
+over torchrun's ranks (``fsdp.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from diffusion_embedder.training.arguments import (
     RunArguments,
     read_config_values,
 )
+from diffusion_embedder.training.fsdp import lm_stage_rules
 from diffusion_embedder.training.lora import add_lora, enable_checkpointing, log_trainable
 from diffusion_embedder.training.runner import (
     fit_built,
@@ -54,7 +55,6 @@ from diffusion_embedder.training.runner import (
     run_cli,
 )
 from diffusion_embedder.training.schema import ConfigError, StageSchema
-from diffusion_embedder.training.sharding import lm_stage_rules
 from diffusion_embedder.training.trainer import RunTrainer
 
 logger = logging.getLogger(__name__)

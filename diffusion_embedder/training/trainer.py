@@ -46,8 +46,8 @@ from diffusion_embedder.training.checkpoints import (
     write_config,
     writing,
 )
+from diffusion_embedder.training.fsdp import ShardingCheck, checkpoint_layout, enable, local
 from diffusion_embedder.training.grad_cache import Features, grad_cache_step
-from diffusion_embedder.training.sharding import ShardingCheck, checkpoint_layout, enable, local
 
 logger = logging.getLogger(__name__)
 
