@@ -172,11 +172,13 @@ def test_workers_serve_until_rank_0_leaves_even_when_it_fails(two_ranks, monkeyp
     # rank 0 failing mid-evaluation still sends STOP to every rank on its way out
     sent = []
     monkeypatch.setattr(distributed, "scatter", lambda objects: sent.append(objects))
+    monkeypatch.setattr(distributed, "barrier", lambda: sent.append("barrier"))
     monkeypatch.setattr(distributed, "init", lambda: True)
     monkeypatch.setattr(run, "evaluate", lambda *a: (_ for _ in ()).throw(RuntimeError("scoring failed")))
     with pytest.raises(RuntimeError, match="scoring failed"):
         run.main(eval_argv(Path(tempfile.mkdtemp())))
-    assert sent == [[sharding.STOP, sharding.STOP]]
+    # then it meets the workers (who return from serve with the stop) before the group goes
+    assert sent == [[sharding.STOP, sharding.STOP], "barrier"]
 
 
 def test_under_torchrun_every_encode_call_names_the_rank_s_own_device(two_ranks, monkeypatch):

@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.init()
     try:
         everyone = distributed.gather(encode_corpus(args))
+        distributed.barrier()  # every rank done talking before the group goes: an exit race can abort a rank
     finally:
         distributed.shutdown()
     if everyone is None:

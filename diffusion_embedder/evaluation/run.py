@@ -218,11 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not distributed.is_main():
             sharding.ShardedEncoder(load_encoder(args), distributed.placement(args.device)[1], args.chunk_size).serve()
+            distributed.barrier()  # every rank done talking before the group goes: an exit race can abort a rank
             return 0
         try:
             outcome = evaluate(wrap_encoder(load_encoder(args), args), factories, args)
         finally:
             sharding.stop_workers()
+            distributed.barrier()  # the workers meet it once they have the stop
     finally:
         distributed.shutdown()
     print(f"Results: {outcome.results_dir}")
