@@ -14,11 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from diffusion_embedder import backbones, folders, inference, loading
+from diffusion_embedder import backbones, folders, inference, loading, tokenization
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig, resolve_config
 from diffusion_embedder.export import export
-from diffusion_embedder.inference import Tokenized
 from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
@@ -31,6 +30,7 @@ from diffusion_embedder.templates import (
     parse_inputs,
     render,
 )
+from diffusion_embedder.tokenization import Tokenized
 
 
 def _config_attribute(name: str) -> tuple:
@@ -176,8 +176,8 @@ class Encoder(nn.Module):
         warn: bool = True,
         max_length: int | None = None,
     ) -> list[Tokenized]:
-        """``inference.tokenize_items`` with this encoder's tokenizer, settings and readout tokens."""
-        return inference.tokenize_items(
+        """``tokenization.tokenize_items`` with this encoder's tokenizer, settings and readout tokens."""
+        return tokenization.tokenize_items(
             self.tokenizer, self.config, self._mask_readout_ids(), items, doc_max_length, warn, max_length
         )
 

@@ -13,103 +13,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from diffusion_embedder import packing as packing_mod
-from diffusion_embedder.config import EncoderConfig
 from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
-from diffusion_embedder.templates import TextInput, parse_input, parse_inputs, placeholder_token, render
+from diffusion_embedder.templates import TextInput, parse_input, parse_inputs
+from diffusion_embedder.tokenization import Tokenized
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- tokenization pipeline
-@dataclass
-class Tokenized:
-    """One input after tokenization, unpadded: its ids and how many trailing tokens are the pooled span."""
-
-    input_ids: list[int]
-    span: int
-
-
-def _token_ids(tokenizer, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
-    """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""
-    return tokenizer(texts, add_special_tokens=special, return_offsets_mapping=key == "offset_mapping", verbose=False)[
-        key
-    ]
-
-
-def _cut_texts(tokenizer, items: list[TextInput], limits: list[int]) -> list[TextInput]:
-    """Cut each text to at most ``limits[i]`` tokens at a token boundary, keeping its instruction."""
-    offsets_per_text = _token_ids(tokenizer, [it.text for it in items], special=False, key="offset_mapping")
-    out = []
-    for item, offsets, limit in zip(items, offsets_per_text, limits, strict=True):
-        if len(offsets) > limit:
-            item = replace(item, text=item.text[: offsets[limit - 1][1]] if limit > 0 else "")
-        out.append(item)
-    return out
-
-
-def tokenize_items(
-    tokenizer,
-    config: EncoderConfig,
-    readout: list[int],
-    items: list[TextInput],
-    doc_max_length: int | None = None,
-    warn: bool = True,
-    max_length: int | None = None,
-) -> list[Tokenized]:
-    """Tokenize as LLM2Vec does; over-long texts are cut on the text side so the instruction survives.
-
-    ``readout`` is the token ids appended after every text (``mask_token`` pooling; [] otherwise).
-    Each text is tokenized once whole (the exact LLM2Vec sequence); only texts past ``max_length``
-    (default ``config.max_length``) are cut and tokenized again, until they fit (a cut can move a
-    BPE boundary by a token). ``doc_max_length`` first cuts every text to that many tokens.
-    """
-    if doc_max_length is not None:
-        items = _cut_texts(tokenizer, items, [doc_max_length] * len(items))
-    template, eos = config.prompt_template, config.applied_eos_suffix
-    max_length = (max_length or config.max_length) - len(readout)  # the appended mask tokens always fit
-    result: list[Tokenized] = [None] * len(items)  # type: ignore[list-item]
-    pending, truncated = list(range(len(items))), set()
-    while pending:
-        rendered = [render(items[i], template, eos) for i in pending]
-        full = _token_ids(tokenizer, [r[0] for r in rendered])
-        spans = _token_ids(tokenizer, [r[1] for r in rendered], special=False)
-        over = []
-        for i, ids, span in zip(pending, full, spans, strict=True):
-            ids = ids or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
-            if len(ids) <= max_length:
-                result[i] = Tokenized(ids + readout, len(readout) or min(len(span), len(ids)))
-            elif not items[i].text:
-                raise ValueError(
-                    f"Input {i}: the instruction and template alone take {len(ids) + len(readout)} tokens, "
-                    f"more than max_length={config.max_length}; shorten the instruction or raise max_length."
-                )
-            else:
-                over.append((i, len(ids) - max_length))
-        if over:
-            text_tokens = _token_ids(tokenizer, [items[i].text for i, _ in over], special=False)
-            limits = [max(len(t) - excess, 0) for t, (_, excess) in zip(text_tokens, over, strict=True)]
-            cut = _cut_texts(tokenizer, [items[i] for i, _ in over], limits)
-            for (i, _), item in zip(over, cut, strict=True):
-                items[i] = item if item != items[i] else replace(item, text=item.text[:-1])
-                truncated.add(i)
-        pending = [i for i, _ in over]
-    if truncated:
-        logger.log(
-            logging.WARNING if warn else logging.DEBUG,
-            "%d of %d texts were longer than max_length=%d tokens and were truncated on the text side.",
-            len(truncated),
-            len(items),
-            max_length,
-        )
-    return result
 
 
 # --------------------------------------------------------------------------- inputs and prompts
