@@ -103,17 +103,16 @@ class TokenizerCalls:
 
     def _fixed_specials(self) -> tuple[list[int], list[int]] | None:
         """(prefix, suffix) ids the post-processor adds around any single text, or None where the probes disagree."""
-        found = None
-        for probe in _PROBES:
+        (with_special,), (without,) = self.ids([_PROBES[0]], True), self.ids([_PROBES[0]], False)
+        head = next((k for k in range(len(with_special)) if with_special[k : k + len(without)] == without), None)
+        if not without or head is None:
+            return None
+        pair = with_special[:head], with_special[head + len(without) :]
+        for probe in _PROBES[1:]:
             (with_special,), (without,) = self.ids([probe], True), self.ids([probe], False)
-            head = next((k for k in range(len(with_special) + 1) if with_special[k:k + len(without)] == without), None)
-            if head is None:
+            if with_special != pair[0] + without + pair[1]:
                 return None
-            pair = (with_special[:head], with_special[head + len(without):])
-            if found is not None and pair != found:
-                return None
-            found = pair
-        return found
+        return pair
 
 
 def cut_text(item: TextInput, encoded, limit: int) -> TextInput:
