@@ -86,6 +86,7 @@ class TokenizerCalls:
                 backend.encode_special_tokens = tokenizer.split_special_tokens
             self.backend = backend
         self.specials = self._fixed_specials()
+        self._tails: dict[str, int | None] = {}
 
     def encode(self, texts: Sequence[str], special: bool) -> list:
         """Objects with ``.ids`` and ``.offsets`` (offsets of the text's own characters), one per text."""
@@ -100,6 +101,26 @@ class TokenizerCalls:
         if self.backend is not None:
             return [e.ids for e in self.encode(texts, special)]
         return self.tokenizer(list(texts), add_special_tokens=special, verbose=False)["input_ids"] if texts else []
+
+    def tail_length(self, span: str, text: str) -> int | None:
+        """``len(tokenize(span)) - len(tokenize(text))`` where it follows from the text's own tokens, else None.
+
+        True where the span is the text itself, or the text followed by a suffix (template end, EOS string)
+        that starts with a special token matched on the raw string: the backend splits there first and
+        tokenizes the pieces apart, so the span's tokens are the text's and then the suffix's.
+        """
+        if span == text:
+            return 0
+        if self.backend is None or not span.startswith(text):
+            return None
+        suffix = span[len(text) :]
+        if suffix not in self._tails:
+            splits = not self.backend.encode_special_tokens and any(
+                suffix.startswith(token.content) and token.special and not token.normalized and not token.lstrip
+                for token in self.backend.get_added_tokens_decoder().values()
+            )
+            self._tails[suffix] = len(self.ids([suffix], False)[0]) if splits else None
+        return self._tails[suffix]
 
     def _fixed_specials(self) -> tuple[list[int], list[int]] | None:
         """(prefix, suffix) ids the post-processor adds around any single text, or None where the probes disagree."""
@@ -173,28 +194,33 @@ def _plain_rows(calls, items, budget, doc_max_length, readout, tokenizer) -> tup
 def _general_rows(
     calls, items, indices, template, eos, budget, doc_max_length, readout, tokenizer, max_length
 ) -> tuple[list[Tokenized], int]:
-    """Rows of items with an instruction, a template or an EOS string: full and span calls, cuts on the text side."""
+    """Rows of items with an instruction, a template or an EOS string: full and span calls, cuts on the text side.
+
+    ``own[k]`` is always the tokenization of item k's current text: the span where the span is the text,
+    and the cut points. A cut text is tokenized again at once (one call for all cut rows, which are short).
+    """
     items = list(items)
-    own = dict(enumerate(calls.encode([it.text for it in items], special=False)))  # while the text is unchanged
-    truncated = set()
-    for k, encoded in list(own.items()):
+    own = dict(enumerate(calls.encode([it.text for it in items], special=False)))
+    truncated, cut = set(), []
+    for k, encoded in own.items():
         n = len(encoded.ids) if doc_max_length is None else min(len(encoded.ids), doc_max_length)
         if n > budget + PRECUT_MARGIN:  # cannot fit: cut before the full and span calls
             n = budget + PRECUT_MARGIN
             truncated.add(k)
         if n < len(encoded.ids):
             items[k] = cut_text(items[k], encoded, n)
-            del own[k]
+            cut.append(k)
+    own.update(zip(cut, calls.encode([items[k].text for k in cut], special=False), strict=True))
     result: list[Tokenized] = [None] * len(items)  # type: ignore[list-item]
     pending = list(range(len(items)))
     while pending:
         rendered = [render(items[k], template, eos) for k in pending]
         full = calls.ids([r[0] for r in rendered], special=True)
-        reuse = [k in own and r[1] == items[k].text for k, r in zip(pending, rendered, strict=True)]
-        fresh = iter(calls.ids([r[1] for r, same in zip(rendered, reuse, strict=True) if not same], special=False))
+        tails = [calls.tail_length(r[1], items[k].text) for k, r in zip(pending, rendered, strict=True)]
+        fresh = iter(calls.ids([r[1] for r, tail in zip(rendered, tails, strict=True) if tail is None], special=False))
         over = []
-        for k, ids, same in zip(pending, full, reuse, strict=True):
-            span = len(own[k].ids) if same else len(next(fresh))
+        for k, ids, tail in zip(pending, full, tails, strict=True):
+            span = len(next(fresh)) if tail is None else len(own[k].ids) + tail
             ids = ids or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
             if len(ids) <= budget:
                 result[k] = Tokenized(ids + readout, len(readout) or min(span, len(ids)))
@@ -205,13 +231,12 @@ def _general_rows(
                 )
             else:
                 over.append((k, len(ids) - budget))
-        retokenize = [k for k, _ in over if k not in own]
-        own.update(zip(retokenize, calls.encode([items[k].text for k in retokenize], special=False), strict=True))
         for k, excess in over:
-            cut = cut_text(items[k], own[k], max(len(own.pop(k).ids) - excess, 0))
-            items[k] = cut if cut != items[k] else replace(cut, text=cut.text[:-1])
+            shorter = cut_text(items[k], own[k], max(len(own[k].ids) - excess, 0))
+            items[k] = shorter if shorter != items[k] else replace(shorter, text=shorter.text[:-1])
             truncated.add(k)
         pending = [k for k, _ in over]
+        own.update(zip(pending, calls.encode([items[k].text for k in pending], special=False), strict=True))
     return result, len(truncated)
 
 
