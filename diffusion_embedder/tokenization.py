@@ -97,6 +97,20 @@ class TokenizerCalls:
         out = self.tokenizer(list(texts), add_special_tokens=special, return_offsets_mapping=True, verbose=False)
         return [_Encoded(ids, offsets) for ids, offsets in zip(out["input_ids"], out["offset_mapping"], strict=True)]
 
+    def first_ids(self, texts: Sequence[str], keep: int) -> list[tuple[list[int], bool]]:
+        """The first ``keep`` token ids of each text (no special tokens), and whether the text had more.
+
+        The backend truncates in Rust, as the tokenizer's own ``truncation=True`` does, so a long text's
+        ids are never converted to a Python list whole.
+        """
+        if self.backend is None or not texts:
+            return [(ids[:keep], len(ids) > keep) for ids in self.ids(texts, False)]
+        self.backend.enable_truncation(keep)
+        try:
+            return [(e.ids, bool(e.overflowing)) for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        finally:
+            self.backend.no_truncation()
+
     def ids(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         if self.backend is not None:
             return [e.ids for e in self.encode(texts, special)]
@@ -182,12 +196,11 @@ def _plain_rows(calls, items, budget, doc_max_length, readout, tokenizer) -> tup
     room = budget - len(head) - len(tail)
     keep = room if doc_max_length is None else min(room, doc_max_length)
     rows, truncated = [], 0
-    for encoded in calls.encode([it.text for it in items], special=False):
-        ids = encoded.ids
-        truncated += (len(ids) if doc_max_length is None else min(len(ids), doc_max_length)) > room
-        text = ids[:keep] if len(ids) > keep else ids
-        row = head + text + tail or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
-        rows.append(Tokenized(row + readout, len(readout) or min(len(text), len(row))))
+    for ids, longer in calls.first_ids([it.text for it in items], keep):
+        if longer and keep == room:  # past doc_max_length (when smaller) is a documented cut, not a warning
+            truncated += 1
+        row = head + ids + tail or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
+        rows.append(Tokenized(row + readout, len(readout) or min(len(ids), len(row))))
     return rows, truncated
 
 
