@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from diffusion_embedder import packing as packing_mod
+from diffusion_embedder.config import EncoderConfig
 from diffusion_embedder.cpu_linear import onednn_linear
+from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.templates import TextInput, parse_input, parse_inputs
-from diffusion_embedder.tokenization import Tokenized
+from diffusion_embedder.tokenization import Tokenized, tokenize_chunk, warn_truncated
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +111,76 @@ def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch
     return batches
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """How ``encode`` groups texts into forwards: by count or token budget, padded or packed, for a device type."""
+
+    batch_size: int
+    max_tokens_per_batch: int | None = None
+    packing: str | bool = "auto"
+    device_type: str = "cpu"
+
+    def __post_init__(self):
+        check_batch_size(self.batch_size)
+        if self.max_tokens_per_batch is not None:
+            packing_mod.check_positive("max_tokens_per_batch", self.max_tokens_per_batch)
+        packing_mod.check_packing(self.packing)
+
+
 def make_batches(
-    encoder, lengths: list[int], device_type: str, batch_size: int, max_tokens_per_batch: int | None, packing
+    encoder, lengths: list[int], plan: BatchPlan
 ) -> tuple[list[list[int]], Callable[[list[Tokenized]], dict[str, torch.Tensor]]]:
-    """The batches (indices) and the collate function: packed rows where ``packing`` asks for them, else padded."""
-    if packing_mod.use_packing(packing, encoder.model, device_type, max(lengths)):
-        width = packing_mod.row_length(lengths, device_type)
-        rows = batch_size
-        if max_tokens_per_batch is not None:
-            rows = max(1, packing_mod.check_positive("max_tokens_per_batch", max_tokens_per_batch) // width)
-        return packing_mod.plan_batches(lengths, width, rows), functools.partial(
-            encoder._collate_packed, pack_length=width
+    """The batches (indices) and the collate function: packed rows where ``plan.packing`` asks for them, else padded."""
+    if packing_mod.use_packing(plan.packing, encoder.model, plan.device_type, max(lengths)):
+        width = packing_mod.row_length(lengths, plan.device_type)
+        rows = plan.batch_size if plan.max_tokens_per_batch is None else max(1, plan.max_tokens_per_batch // width)
+        batches = packing_mod.plan_batches(lengths, width, rows)
+        return batches, functools.partial(encoder._collate_packed, pack_length=width)
+    return length_batches(lengths, plan.batch_size, plan.max_tokens_per_batch), encoder._collate
+
+
+#: The producer tokenizes the inputs in steps: the first of at most ``FIRST_STEP`` texts, so the device
+#: starts at once, then ``STEP_BATCHES`` batches' worth (at most ``MAX_STEP`` texts) at a time.
+FIRST_STEP, STEP_BATCHES, MAX_STEP = 64, 8, 2048
+
+
+def _steps(n: int, batch_size: int) -> Iterator[tuple[int, int]]:
+    start, stop = 0, min(batch_size, FIRST_STEP)
+    while start < n:
+        yield start, min(stop, n)
+        start, stop = stop, stop + min(STEP_BATCHES * batch_size, MAX_STEP)
+
+
+def planned_batches(
+    encoder, items: list[TextInput], config: EncoderConfig, plan: BatchPlan, pin: bool = False
+) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """``(input indices, collated features)`` per forward, planned as the inputs are tokenized.
+
+    Token lengths are only known after tokenization, so the inputs are first sorted by a proxy
+    (characters, longest first) and tokenized a step at a time; each step's batches are planned by
+    exact token length, and the last, shortest batch of a step waits for the next step's texts. With
+    ``pin`` the features come in pinned memory, ready for a ``non_blocking`` copy to the GPU.
+    """
+    order = sorted(range(len(items)), key=lambda i: -(len(items[i].prefix) + len(items[i].text)))
+    readout = encoder._mask_readout_ids(config)
+    tokenized: dict[int, Tokenized] = {}
+    waiting: list[int] = []
+    truncated = 0
+    for start, stop in _steps(len(order), plan.batch_size):
+        step = order[start:stop]
+        rows, cut = tokenize_chunk(
+            encoder.tokenizer, config, readout, [items[i] for i in step], config.doc_max_length, config.max_length, step
         )
-    return length_batches(lengths, batch_size, max_tokens_per_batch), encoder._collate
+        truncated += cut
+        tokenized.update(zip(step, rows, strict=True))
+        pending = waiting + step
+        batches, collate = make_batches(encoder, [len(tokenized[i].input_ids) for i in pending], plan)
+        waiting = [pending[j] for j in batches.pop()] if stop < len(order) and len(batches) > 1 else []
+        for batch in batches:
+            indices = [pending[j] for j in batch]
+            features = collate([tokenized.pop(i) for i in indices])
+            yield indices, {k: v.pin_memory() for k, v in features.items()} if pin else features
+    warn_truncated(truncated, len(items), config.max_length - len(readout))
 
 
 def _resolve_devices(device, encoder) -> list:
@@ -144,38 +204,85 @@ def start_pool(encoder, devices: Sequence[str]):
     return DevicePool(encoder, list(devices))
 
 
-def _encode_local(encoder, tokenized, batches, device, show_progress_bar, collate) -> torch.Tensor:
+class _Outputs:
+    """Embeddings gathered where the model computed them and brought to the CPU in large pieces.
+
+    Each batch's output stays on the device (no host synchronisation per batch); every ``PIECE_BYTES``
+    of them are concatenated and copied to the CPU at once, into their rows of the (n, d) result.
+    """
+
+    PIECE_BYTES = 256 * 2**20
+
+    def __init__(self, n: int, dim: int):
+        self.out = torch.empty((n, dim), dtype=torch.float32)
+        self._indices: list[int] = []
+        self._pieces: list[torch.Tensor] = []
+
+    def add(self, indices: list[int], embeddings: torch.Tensor) -> None:
+        if embeddings.device.type == "cpu":
+            self.out[indices] = embeddings
+            return
+        self._indices += indices
+        self._pieces.append(embeddings)
+        if len(self._indices) * self.out.shape[1] * 4 >= self.PIECE_BYTES:
+            self.flush()
+
+    def flush(self) -> torch.Tensor:
+        if self._pieces:
+            self.out[self._indices] = torch.cat(self._pieces).cpu()
+            self._indices, self._pieces = [], []
+        return self.out
+
+
+def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> torch.Tensor:
     if device is not None and torch.device(device) != encoder.device:
         encoder.to(device)
-    out = torch.empty((len(tokenized), encoder.embedding_dim), dtype=torch.float32)
+    target = encoder.device
+    outputs = _Outputs(len(items), encoder.embedding_dim)
     was_training = encoder.training
     encoder.eval()
-    with torch.inference_mode(), onednn_linear(encoder.model, encoder.device):
-        for batch in tqdm(batches, desc="Encoding", disable=not show_progress_bar):
-            features = collate([tokenized[i] for i in batch])
-            features = {k: v.to(encoder.device) for k, v in features.items()}
-            out[batch] = encoder(features).float().cpu()
-    encoder.train(was_training)
-    return out
+    batches = planned_batches(encoder, items, config, plan, pin=target.type == "cuda")
+    try:
+        with (
+            Prefetcher(batches, depth=2) as ahead,
+            torch.inference_mode(),
+            onednn_linear(encoder.model, target),
+            tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar,
+        ):
+            for indices, features in ahead:
+                features = {k: v.to(target, non_blocking=True) for k, v in features.items()}
+                outputs.add(indices, encoder(features).float())
+                bar.update(len(indices))
+        return outputs.flush()
+    finally:
+        encoder.train(was_training)
 
 
-def _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate) -> torch.Tensor:
+def _encode_on_pool(encoder, items, config, plan, devices, show_progress_bar) -> torch.Tensor:
     if encoder._pool_workers is None or encoder._pool_workers.devices != list(devices):
         encoder.start_pool(devices)
-    out = torch.empty((len(tokenized), encoder.embedding_dim), dtype=torch.float32)
-    features = [collate([tokenized[i] for i in batch]) for batch in batches]
-    for index, embeddings in tqdm(
-        encoder._pool_workers.run(features), total=len(batches), desc="Encoding", disable=not show_progress_bar
-    ):
-        out[batches[index]] = embeddings
-    return out
+    outputs = _Outputs(len(items), encoder.embedding_dim)
+    sent: list[list[int]] = []
+
+    def features():  # tokenized here while the workers run the batches already sent
+        for indices, batch in planned_batches(encoder, items, config, plan):
+            sent.append(indices)
+            yield batch
+
+    with tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar:
+        for index, embeddings in encoder._pool_workers.run(features()):
+            outputs.add(sent[index], embeddings)
+            bar.update(len(sent[index]))
+    return outputs.out
 
 
-def run_batches(encoder, tokenized, batches, devices: list, show_progress_bar: bool, collate) -> torch.Tensor:
-    """(n, d) float32 embeddings on the CPU, in input order: on one device, or shared by a pool of workers."""
+def run_batches(encoder, items: list[TextInput], config: EncoderConfig, plan: BatchPlan, devices: list,
+                show_progress_bar: bool) -> torch.Tensor:
+    """(n, d) float32 embeddings on the CPU, in input order: on one device (tokenizing ahead in a thread),
+    or shared by a pool of workers."""
     if len(devices) > 1:
-        return _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate)
-    return _encode_local(encoder, tokenized, batches, devices[0], show_progress_bar, collate)
+        return _encode_on_pool(encoder, items, config, plan, devices, show_progress_bar)
+    return _encode_local(encoder, items, config, plan, devices[0], show_progress_bar)
 
 
 # --------------------------------------------------------------------------- the output
@@ -230,11 +337,8 @@ def encode(
     else:
         overrides = {"max_length": max_length, "doc_max_length": doc_max_length}
         call = encoder.config.replace(**{k: v for k, v in overrides.items() if v is not None})  # validated
-        tokenized = encoder._tokenize_items(items, doc_max_length=call.doc_max_length, max_length=call.max_length)
-        lengths = [len(t.input_ids) for t in tokenized]
         devices = _resolve_devices(device, encoder)
-        device_type = torch.device(devices[0] or encoder.device).type
-        batches, collate = make_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
-        out = run_batches(encoder, tokenized, batches, devices, show_progress_bar, collate)
+        plan = BatchPlan(batch_size, max_tokens_per_batch, packing, torch.device(devices[0] or encoder.device).type)
+        out = run_batches(encoder, items, call, plan, devices, show_progress_bar)
     truncate_dim = truncate_dim if truncate_dim is not None else encoder.truncate_dim
     return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)

@@ -8,7 +8,7 @@ faster devices take more of them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -49,12 +49,14 @@ class DevicePool:
             process.start()
         logger.info("Started %d encoding workers on %s", len(self._processes), ", ".join(self.devices))
 
-    def run(self, batches: Sequence[dict[str, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield ``(batch index, embeddings)`` as workers finish them."""
+    def run(self, batches: Iterable[dict[str, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield ``(batch index, embeddings)`` as workers finish them; each batch is sent as soon as it is made."""
+        sent = 0
         for index, features in enumerate(batches):
             self._tasks.put((index, features))
+            sent += 1
         errors = []
-        for _ in range(len(batches)):
+        for _ in range(sent):
             index, embeddings, error = self._results.get()
             if error is None:
                 yield index, embeddings

@@ -254,11 +254,15 @@ AUTO_PACKING: dict[tuple[str, str], bool] = {
 }
 
 
-def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
-    """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
+def check_packing(choice) -> str | bool:
     if choice not in PACKING_CHOICES or not isinstance(choice, str | bool):
         raise ValueError(f"packing must be one of {PACKING_CHOICES}, got {choice!r}.")
-    if choice is False:
+    return choice
+
+
+def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
+    """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
+    if check_packing(choice) is False:
         return False
     problem = packing_problem(model, longest)
     if choice is True:

@@ -107,7 +107,8 @@ class TokenizerCalls:
             return [(ids[:keep], len(ids) > keep) for ids in self.ids(texts, False)]
         self.backend.enable_truncation(keep)
         try:
-            return [(e.ids, bool(e.overflowing)) for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+            encoded = self.backend.encode_batch(list(texts), add_special_tokens=False)
+            return [(e.ids, bool(e.overflowing)) for e in encoded]
         finally:
             self.backend.no_truncation()
 
