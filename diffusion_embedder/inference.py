@@ -244,7 +244,7 @@ def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> to
     batches = planned_batches(encoder, items, config, plan, pin=target.type == "cuda")
     try:
         with (
-            Prefetcher(batches, depth=2) as ahead,
+            Prefetcher(batches, depth=4) as ahead,
             torch.inference_mode(),
             onednn_linear(encoder.model, target),
             tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar,
