@@ -67,10 +67,12 @@ def test_tokenizing_overlaps_the_forward(encoder, monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a loaded machine, OpenMP's spinning threads would swamp the waits
     texts = [f"text number {i}" for i in range(64)]  # short: the waits, not the tiny model, are the costs
-    start = time.perf_counter()
-    encoder.encode(texts, batch_size=4, show_progress_bar=False)
-    wall = time.perf_counter() - start
-    torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        encoder.encode(texts, batch_size=4, show_progress_bar=False)
+        wall = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
     total = spent["tokenize"] + spent["forward"]
     assert min(spent.values()) > 0.5  # both costs are real: 64 texts, 16 batches
     assert wall < 0.75 * total, (wall, spent)
@@ -114,8 +116,6 @@ def test_an_error_in_the_forward_stops_the_producer(encoder, monkeypatch):
 def test_stepwise_planning_gives_the_vectors_of_one_text_at_a_time(encoder, monkeypatch):
     monkeypatch.setattr(inference, "FIRST_STEP", 3)
     monkeypatch.setattr(inference, "STEP_BATCHES", 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded machine, OpenMP's spinning threads would swamp the waits
     steps = encoder.encode(TEXTS, batch_size=5, show_progress_bar=False)
     budget = encoder.encode(TEXTS, max_tokens_per_batch=300, show_progress_bar=False)
     alone = torch.cat([encoder.encode([t], show_progress_bar=False) for t in TEXTS[:12]])
@@ -125,8 +125,6 @@ def test_stepwise_planning_gives_the_vectors_of_one_text_at_a_time(encoder, monk
 def test_every_input_is_planned_once_in_steps(encoder, monkeypatch):
     monkeypatch.setattr(inference, "FIRST_STEP", 3)
     monkeypatch.setattr(inference, "STEP_BATCHES", 2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded machine, OpenMP's spinning threads would swamp the waits
     items, _ = inference.prepare_inputs(TEXTS, {}, None, None)
     for plan in (inference.BatchPlan(4), inference.BatchPlan(4, 200), inference.BatchPlan(4, packing=True)):
         batches = [indices for indices, _ in inference.planned_batches(encoder, items, encoder.config, plan)]
