@@ -10,21 +10,25 @@ template suffix and EOS string (``templates.render``; LLM2Vec's format). Two pat
   row and the span (n = the text's token count). An over-long text keeps its first k tokens, k as
   many as fit with ``doc_max_length`` and ``max_length``: what the tokenizer's own ``truncation=True``
   keeps, and what LLM2Vec keeps for a text without instruction.
-- **Other items** keep a full call and a span call (the span call only where the span is not the text
-  itself), after one text-alone call that gives every cut point. Over-long texts are cut on the text
-  side at a token boundary of that call (the instruction and the template suffix stay whole) and only
-  the cut, short rows are tokenized again, until they fit (a cut can move a BPE boundary by a token).
-  Texts longer than the whole row budget are first cut to ``budget + PRECUT_MARGIN`` tokens, so no
-  whole over-long text is tokenized more than once.
+- **Other items** cost a text-alone call, which gives every cut point and the span where the span is
+  the text, or the text followed by a suffix that a special token splits off (a chat template's end),
+  and the full call; a span call only for the rest. Over-long texts are cut on the text side at a token
+  boundary of the text-alone call (the instruction and the template suffix stay whole) and only the cut,
+  short rows are tokenized again, until they fit (a cut can move a BPE boundary by a token). Texts
+  longer than the whole row budget are first cut to ``budget + PRECUT_MARGIN`` tokens, so no whole
+  over-long text is tokenized more than once.
 
 Every text that fits gets the ids and span of the straightforward algorithm (``tests/test_tokenization.py``
 keeps it as the oracle). Where a plain over-long text is cut, the kept tokens are the first k tokens of
-the text's own tokenization rather than the tokenization of the cut string: on 768 ReasonAug texts cut
-at 400 tokens they differ in about 1 row in 5, always in the last one or two tokens
-(bench/results/encode.md).
+the text's own tokenization; the old rule tokenized the cut string again. The two agree wherever the cut
+string's tokens are the first tokens of the whole string: on ReasonAug texts cut at 400 and 512 tokens
+(two realistic tokenizers, ``bench/tokenize_speed.py``) not one row differed; in the test corpus one
+did, 400 emoji cut where a byte-level token ends inside a character (the old rule's cut string then
+keeps the whole character, so it tokenized to different last tokens).
 
 The batch calls go to the fast tokenizer's Rust backend directly (no ``BatchEncoding``; offsets are
-converted only where a cut reads them), which releases the GIL, so ``inference`` tokenizes the next
+converted only where a cut reads them), which releases the GIL (checked: a Python thread runs on
+during ``encode_batch``), so ``inference`` tokenizes the next
 batches in a thread while the device runs. Other tokenizers get their own ``__call__``.
 """
 
