@@ -1,11 +1,12 @@
-"""``Encoder.encode``'s work: inputs and prompts, the tokenization pipeline, batching, devices, the output.
+"""``Encoder.encode``'s work: inputs and prompts, batching, devices, the output.
 
-The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``tokenize_items`` (the tokenization
-pipeline: a function of the tokenizer, the settings and the inputs only), ``make_batches`` (length-sorted
-or packed), ``run_batches`` (one device, or a pool of persistent workers) and ``finish`` (Matryoshka
-truncation, normalization, quantization). Of the encoder's modules only this one plans packed batches and
-imports quantization, the device pool (``multiprocess``) and the CPU linear path; ``encoder`` uses
-``packing`` only to collate and run packed rows, which training uses too.
+The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``planned_batches`` (a producer:
+``tokenization.tokenize_chunk`` a step of inputs at a time, ``make_batches`` by exact token length,
+length-sorted or packed, and collation), ``run_batches`` (one device, the producer running ahead in a
+thread (``prefetch``), or a pool of persistent workers) and ``finish`` (Matryoshka truncation,
+normalization, quantization). Of the encoder's modules only this one plans packed batches and imports
+quantization, the device pool (``multiprocess``) and the CPU linear path; ``encoder`` uses ``packing``
+only to collate and run packed rows, which training uses too.
 """
 
 from __future__ import annotations
