@@ -18,7 +18,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q
 
 # The GPU checks (tests marked gpu; they skip without CUDA). On a GPU machine without our venv, use
-# bench/gpu.sh, which installs the missing dependencies from .whl/ and also runs the 7B benchmarks.
+# bench/gpu.sh, which checks the versions and also runs the 7B benchmarks.
 test-gpu:
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -m gpu
 

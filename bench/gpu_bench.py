@@ -1,10 +1,24 @@
-"""7B-shaped encoders on one GPU: tokens/s, model FLOPs utilisation, peak memory; padded vs packed; sdpa vs flex.
+"""7B-shaped encoders on one GPU: our ``encode`` against the plain Hugging Face loop on the same model object.
 
-Random bf16 weights in the Qwen2.5-7B (Dream-7B) and LLaDA-8B shapes; documents of mixed lengths
-(uniform between 64 and ``--max-length`` tokens) and of exactly ``--max-length`` tokens. Every
-configuration runs in a fresh process so its peak memory is its own. Called by bench/gpu.sh:
+One process per model shape (random bf16 weights, Qwen2.5-7B / Dream-7B shape by default; ``--shapes``
+adds LLaDA-8B); inside it, every configuration on the same model, real strings through the public
+``encode``:
 
-    python bench/gpu_bench.py --out bench/results/gpu_bench.md
+- ``hf-loop``: what LLM2Vec and sentence-transformers run: length-sorted batches of 32 (8 for the long
+  set), the tokenizer's call with right padding and ``truncation=True`` on the critical path, one
+  forward, masked mean, each batch's output copied to the CPU;
+- ``ours``: ``encode`` with its defaults; ``ours-budget``: a 64k-token budget per forward;
+  ``ours-packed``: packed rows (sdpa, block mask); ``ours-flex``: packed rows with flex_attention
+  (bounded shapes, so it compiles a few kernels; not in the dry run: it compiles slowly on a CPU).
+
+Document sets (token counts for the fixture tokenizer): ``mixed`` 768 texts of 64-512 tokens, ``cut``
+384 texts of 1-2k tokens cut to 512, ``long`` 64 texts of 1-4k tokens, ``one32k`` one 32,768-token text.
+Every figure is appended to ``<results-dir>/gpu_bench.jsonl`` as soon as it is measured (a run cut off
+by a time limit keeps what it measured); a short table is printed last and written to
+``<results-dir>/gpu_bench.md``. ``--deadline-s`` skips what would start after that many seconds.
+
+    python bench/gpu_bench.py --results-dir bench/results/gpu          # on the GPU machine (bench/gpu.sh)
+    python bench/gpu_bench.py --dry_run --results-dir /tmp/dry         # a tiny shape on the CPU, seconds
 """
 
 from __future__ import annotations
@@ -14,107 +28,194 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "tests" / "fixtures" / "llm2vec_parity" / "llama"
+CORPUS = REPO / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
 #: Dense bf16 peaks (TFLOP/s) by device name fragment, for MFU.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+TINY = ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1024))
+#: (texts, shortest, longest tokens, max_length of the call, HF loop batch size) per set; the dry run's are tiny.
+#: Texts of n tokens make rows of n + 1 (the BOS), so the long sets end one token short of max_length.
+SETS = {"mixed": (768, 64, 512, 512, 32), "cut": (384, 1024, 2048, 512, 32), "long": (64, 1024, 4095, 4096, 8),
+        "one32k": (1, 32767, 32767, 32768, 1)}
+DRY_SETS = {"mixed": (24, 16, 96, 96, 8), "cut": (12, 150, 300, 64, 8), "long": (4, 200, 399, 400, 2),
+            "one32k": (1, 1023, 1023, 1024, 1)}
+BUDGET = 65536
+CONFIGS = {  # name: (attention implementation, encode keyword arguments); hf-loop is the baseline
+    "hf-loop": ("sdpa", None),
+    "ours": ("sdpa", {}),
+    "ours-budget": ("sdpa", {"max_tokens_per_batch": BUDGET}),
+    "ours-packed": ("sdpa", {"packing": True, "max_tokens_per_batch": BUDGET}),
+    "ours-flex": ("flex_attention", {"packing": True, "max_tokens_per_batch": BUDGET}),
+}
+#: Which configurations run on which set (the one 32k text is one forward whatever the batching).
+PLAN = {"mixed": list(CONFIGS), "cut": ["hf-loop", "ours", "ours-budget", "ours-packed"],
+        "long": ["hf-loop", "ours-budget", "ours-packed"], "one32k": ["hf-loop", "ours-budget"]}
 
 
-def worker(shape: str, attn: str, packing: bool, lengths_kind: str, max_length: int, docs: int, budget: int) -> dict:
+# ------------------------------------------------------------------------------------------- texts
+def make_texts(tokenizer, count: int, shortest: int, longest: int, seed: int = 0) -> list[str]:
+    """Real strings of a chosen token count: slices of the fixture corpus cut at token boundaries."""
+    import random
+
+    base = " ".join(json.loads(line)["text"] for line in CORPUS.read_text().splitlines())
+    encoded = tokenizer(base, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    repeats = 1 + (longest + 1) // max(1, len(encoded))
+    text = " ".join([base] * repeats)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        n = rng.randint(shortest, longest)
+        start = rng.randint(0, len(offsets) - n)
+        texts.append(text[offsets[start][0] : offsets[start + n - 1][1]])
+    return texts
+
+
+# ------------------------------------------------------------------------------------------- runs
+def hf_loop(model, tokenizer, texts: list[str], batch_size: int, max_length: int, device: str):
+    """sentence-transformers' / LLM2Vec's loop: sort by length, tokenize, pad right, forward, masked mean."""
     import torch
 
-    from diffusion_embedder.inference import Tokenized, length_batches
-    from diffusion_embedder.packing import plan_batches, row_length
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    out = torch.empty((len(texts), model.config.hidden_size))
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            batch = order[start : start + batch_size]
+            features = tokenizer([texts[i] for i in batch], padding=True, truncation=True, max_length=max_length,
+                                 return_tensors="pt").to(device)
+            hidden = model(**features).last_hidden_state
+            mask = features["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            out[batch] = ((hidden * mask).sum(1) / mask.sum(1)).float().cpu()
+    return out
+
+
+def set_attention(model, attn: str) -> None:
+    if getattr(model.config, "_attn_implementation", None) == attn:
+        return
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(attn)
+    else:
+        model.config._attn_implementation = attn
+
+
+def worker(shape: str, dry_run: bool, results: Path, deadline: float) -> None:
+    import copy
+
+    import torch
+
     from diffusion_embedder.random_models import SHAPES_7B, random_encoder
 
-    model_type, dims = SHAPES_7B[shape]
-    encoder = random_encoder(model_type, dims, TOKENIZER, device="cuda", dtype=torch.bfloat16, attn=attn)
-    generator = torch.Generator().manual_seed(0)
-    if lengths_kind == "fixed":
-        lengths = [max_length] * docs
-    else:
-        lengths = torch.randint(64, max_length + 1, (docs,), generator=generator).tolist()
-    items = [Tokenized(torch.randint(10, dims["vocab_size"], (n,), generator=generator).tolist(), n)
-             for n in lengths]
-    if packing:
-        width = row_length(lengths, "cuda")
-        batches = plan_batches(lengths, width, max(1, budget // width))
-        collate = lambda batch: encoder._collate_packed(batch, width)  # noqa: E731
-    else:
-        batches = length_batches(lengths, 10**9, budget)
-        collate = encoder._collate
-    features = [{k: v.cuda() for k, v in collate([items[i] for i in b]).items()} for b in batches]
-    processed = sum(int(f["input_ids"].numel()) for f in features)
-    with torch.inference_mode():
-        encoder(features[0])  # warm-up (flex compiles here)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for f in features:
-            encoder(f)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+    device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
+    model_type, dims = TINY if dry_run else SHAPES_7B[shape]
+    encoder = random_encoder(model_type, dims, TOKENIZER, device=device, dtype=dtype, attn="sdpa")
+    plain_tokenizer = copy.deepcopy(encoder.tokenizer)
+    plain_tokenizer.padding_side = "right"
     embedding = dims["vocab_size"] * dims["hidden_size"]
     params = sum(p.numel() for p in encoder.model.parameters() if p.dim() > 1) - embedding
-    real = sum(lengths)
-    # Useful FLOPs: 2 x non-embedding params per real token, plus attention (QK^T and AV) within each text.
-    flops = 2 * params * real + sum(4 * n * n * dims["hidden_size"] * dims["num_hidden_layers"] for n in lengths)
-    name = torch.cuda.get_device_name()
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    return dict(shape=shape, attn=attn, packing=packing, lengths=lengths_kind, max_length=max_length, docs=docs,
-                real_tokens=real, padding_efficiency=real / processed, seconds=seconds, tokens_per_s=real / seconds,
-                mfu=flops / seconds / 1e12 / peak if peak else None,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30, device=name)
+    environment = {"shape": shape, "device": name, "torch": torch.__version__,
+                   "varlen_attn": hasattr(torch.nn.attention, "varlen")}
+    append(results, {"event": "start", **environment})
+    for set_name, (count, shortest, longest, max_length, hf_batch) in (DRY_SETS if dry_run else SETS).items():
+        texts = make_texts(encoder.tokenizer, count, shortest, longest)
+        lengths = [min(len(ids), max_length) for ids in encoder.tokenizer(texts)["input_ids"]]
+        real = sum(lengths)
+        flops = 2 * params * real + sum(4 * n * n * dims["hidden_size"] * dims["num_hidden_layers"] for n in lengths)
+        for config in PLAN[set_name]:
+            if dry_run and config == "ours-flex":
+                continue
+            row = {"shape": shape, "set": set_name, "config": config, "texts": count, "tokens": real}
+            if time.time() > deadline:
+                append(results, {**row, "skipped": "deadline"})
+                continue
+            attn, kwargs = CONFIGS[config]
+            try:
+                set_attention(encoder.model, attn)
+                if kwargs is None:
+                    run = partial(hf_loop, encoder.model, plain_tokenizer, batch_size=hf_batch, max_length=max_length,
+                                  device=device)
+                else:
+                    run = partial(encoder.encode, batch_size=hf_batch if config == "ours" else 32,
+                                  max_length=max_length, doc_max_length=max_length, show_progress_bar=False, **kwargs)
+                run(texts[: max(2, count // 8)])  # warm-up (flex compiles here), the longest texts' shapes
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                out = run(texts)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds = time.perf_counter() - start
+                row.update(seconds=seconds, tokens_per_s=real / seconds, finite=bool(torch.isfinite(out).all()),
+                           mfu=flops / seconds / 1e12 / peak if peak else None,
+                           peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
+            except Exception as error:  # noqa: BLE001 - recorded, and the next configuration runs
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            append(results, row)
+    set_attention(encoder.model, "sdpa")
+
+
+def append(results: Path, row: dict) -> None:
+    with (results / "gpu_bench.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+# ------------------------------------------------------------------------------------------- report
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | documents | configuration | tokens | tokens/s | vs HF loop | MFU | peak GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    baseline = {(r["shape"], r["set"]): r.get("tokens_per_s") for r in rows if r.get("config") == "hf-loop"}
+    for r in rows:
+        if "config" not in r:
+            continue
+        head = f"| {r['shape']} | {r['set']} | {r['config']} | {r['tokens']} |"
+        if "tokens_per_s" not in r:
+            lines.append(f"{head} {r.get('error') or 'skipped: ' + r.get('skipped', '?')} | | | |")
+            continue
+        base = baseline.get((r["shape"], r["set"]))
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "–"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "–"
+        lines.append(f"{head} {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {peak} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     from diffusion_embedder.random_models import SHAPES_7B
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES_7B), choices=list(SHAPES_7B))
-    parser.add_argument("--attn", nargs="+", default=["sdpa", "flex_attention"])
-    parser.add_argument("--max-length", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--docs", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=65536, help="tokens per forward")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-7b"], choices=list(SHAPES_7B))
+    parser.add_argument("--results-dir", type=Path, required=True)
+    parser.add_argument("--deadline-s", type=float, default=270.0, help="skip what would start after this")
+    parser.add_argument("--dry_run", action="store_true", help="a tiny shape on the CPU: checks the script")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     if args.worker:
-        print(json.dumps(worker(**json.loads(args.worker))))
+        worker(args.worker, args.dry_run, args.results_dir, args.deadline)
         return
-    rows = []
-    for shape in args.shapes:
-        for max_length in args.max_length:
-            for lengths_kind in ("fixed", "mixed"):
-                for attn in args.attn:
-                    for packing in (False, True):
-                        spec = dict(shape=shape, attn=attn, packing=packing, lengths_kind=lengths_kind,
-                                    max_length=max_length, docs=args.docs, budget=args.budget)
-                        out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                                             capture_output=True, text=True, cwd=REPO)
-                        if out.returncode:
-                            print(f"FAILED {spec}:\n{out.stderr[-2000:]}", flush=True)
-                            rows.append(dict(spec, error=out.stderr.strip().splitlines()[-1][:200]))
-                            continue
-                        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                        print(rows[-1], flush=True)
-    lines = ["| shape | doc tokens | attention | batching | padding efficiency | tokens/s | MFU | peak GiB |",
-             "|---|---|---|---|---:|---:|---:|---:|"]
-    for r in rows:
-        docs = f"{r['lengths']} {r['max_length']}" if "lengths" in r else f"{r['lengths_kind']} {r['max_length']}"
-        batching = "packed" if r["packing"] else "padded"
-        if "error" in r:
-            lines.append(f"| {r['shape']} | {docs} | {r['attn']} | {batching} | failed: {r['error']} | | | |")
-            continue
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-        lines.append(f"| {r['shape']} | {docs} | {r['attn']} | {batching} | {r['padding_efficiency']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {mfu} | {r['peak_gib']:.1f} |")
-    report = "\n".join(lines)
+    deadline = time.time() + args.deadline_s
+    log = args.results_dir / "gpu_bench.jsonl"
+    first = len(log.read_text().splitlines()) if log.exists() else 0
+    for shape in ["tiny"] if args.dry_run else args.shapes:
+        command = [sys.executable, __file__, "--worker", shape, "--results-dir", str(args.results_dir),
+                   "--deadline", str(deadline)] + (["--dry_run"] if args.dry_run else [])
+        if subprocess.run(command, cwd=REPO).returncode:
+            append(args.results_dir, {"event": "worker failed", "shape": shape})
+    rows = [json.loads(line) for line in log.read_text().splitlines()[first:]]
+    report = table(rows)
+    (args.results_dir / "gpu_bench.md").write_text(report + "\n")
     print(report)
-    if args.out:
-        args.out.write_text(report + "\n")
 
 
 if __name__ == "__main__":

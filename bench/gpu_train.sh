@@ -8,8 +8,8 @@
 #   SKIP_TESTS=1 bash bench/gpu_train.sh  # when bench/gpu.sh already ran tests/test_gpu.py (they are in it)
 #   DRY_RUN=1 bash bench/gpu_train.sh     # the same plumbing on a CPU: tiny shapes, float32 (~3 min on 2 cores)
 #
-# Needs torch, transformers, peft, accelerate and pytest (bench/gpu.sh's steps 1-2 install the missing ones
-# from .whl/); not datasets, mteb, bm25s or flash-attn. Exit status 0 only if every part passed.
+# Needs torch, transformers, peft, accelerate and pytest (the GPU machines have them; bench/gpu.sh checks the
+# versions); not datasets, mteb, bm25s or flash-attn. Exit status 0 only if every part passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"

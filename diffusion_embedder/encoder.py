@@ -15,11 +15,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from diffusion_embedder import backbones, folders, inference, loading
+from diffusion_embedder import backbones, folders, inference, loading, tokenization
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig, resolve_config
 from diffusion_embedder.export import export
-from diffusion_embedder.inference import Tokenized
 from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
 from diffusion_embedder.templates import (
@@ -32,6 +31,7 @@ from diffusion_embedder.templates import (
     parse_inputs,
     render,
 )
+from diffusion_embedder.tokenization import Tokenized
 
 if TYPE_CHECKING:
     from diffusion_embedder.multiprocess import DevicePool
@@ -197,10 +197,11 @@ class Encoder(nn.Module):
         max_length: int | None = None,
         config: EncoderConfig | None = None,
     ) -> list[Tokenized]:
-        """``inference.tokenize_items`` with this encoder's tokenizer, readout tokens and settings (or ``config``:
+        """``tokenization.tokenize_items`` with this encoder's tokenizer, readout tokens and settings (or ``config``:
         one call's, so that its messages name the lengths in force)."""
-        return inference.tokenize_items(
-            self.tokenizer, config or self.config, self._mask_readout_ids(), items, doc_max_length, warn, max_length
+        config = config or self.config
+        return tokenization.tokenize_items(
+            self.tokenizer, config, self._mask_readout_ids(config), items, doc_max_length, warn, max_length
         )
 
     def _collate(self, batch: Sequence[Tokenized]) -> dict[str, torch.Tensor]:

@@ -1,21 +1,22 @@
-"""``Encoder.encode``'s work: inputs and prompts, the tokenization pipeline, batching, devices, the output.
+"""``Encoder.encode``'s work: inputs and prompts, batching, devices, the output.
 
-The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``tokenize_items`` (the tokenization
-pipeline: a function of the tokenizer, the settings and the inputs only), ``make_batches`` (length-sorted
-or packed), ``run_batches`` (one device, or a pool of persistent workers; ``run_on_pool`` for a pool the caller
-started) and ``finish`` (Matryoshka truncation, normalization, quantization). Every argument is checked before the
-first of them. Token states and per-input dicts (sentence-transformers' ``output_value``) take ``outputs`` in
-place of the last two. Of the encoder's modules only this one plans packed batches and imports quantization and
-the device pool (``multiprocess``); ``encoder`` uses ``packing`` only to collate and run packed rows, which
-training uses too.
+The stages, in order: ``prepare_inputs`` (validate, apply a prompt), ``planned_batches`` (a producer:
+``tokenization.tokenize_chunk`` a step of inputs at a time, ``make_batches`` by exact token length,
+length-sorted or packed, and collation), then ``_encode_local`` (one device, the producer running ahead in a
+thread: ``prefetch``) or ``run_on_pool`` (a pool of persistent workers, the encoder's own or one the caller
+started, fed each batch as it is made), and ``finish`` (Matryoshka truncation, normalization, quantization).
+Every argument is checked before the first of them. Token states and per-input dicts (sentence-transformers'
+``output_value``) are tokenized whole and run on padded batches by ``outputs`` instead (they need every token's
+state). Of the encoder's modules only this one plans packed batches and imports quantization and the device
+pool (``multiprocess``); ``encoder`` uses ``packing`` only to collate and run packed rows, which training uses too.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,94 +27,12 @@ from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig
 from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.devices import check_device
+from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
-from diffusion_embedder.templates import TextInput, parse_input, parse_inputs, placeholder_token, render
+from diffusion_embedder.templates import TextInput, parse_input, parse_inputs
+from diffusion_embedder.tokenization import Tokenized, tokenize_chunk, warn_truncated
 
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- tokenization pipeline
-@dataclass
-class Tokenized:
-    """One input after tokenization, unpadded: its ids and how many trailing tokens are the pooled span."""
-
-    input_ids: list[int]
-    span: int
-
-
-def _token_ids(tokenizer, texts: list[str], special: bool = True, key: str = "input_ids") -> list[list]:
-    """Untruncated tokenization; lengths are checked by the caller, so the tokenizer's warning is noise."""
-    return tokenizer(texts, add_special_tokens=special, return_offsets_mapping=key == "offset_mapping", verbose=False)[
-        key
-    ]
-
-
-def _cut_texts(tokenizer, items: list[TextInput], limits: list[int]) -> list[TextInput]:
-    """Cut each text to at most ``limits[i]`` tokens at a token boundary, keeping its instruction."""
-    offsets_per_text = _token_ids(tokenizer, [it.text for it in items], special=False, key="offset_mapping")
-    out = []
-    for item, offsets, limit in zip(items, offsets_per_text, limits, strict=True):
-        if len(offsets) > limit:
-            item = replace(item, text=item.text[: offsets[limit - 1][1]] if limit > 0 else "")
-        out.append(item)
-    return out
-
-
-def tokenize_items(
-    tokenizer,
-    config: EncoderConfig,
-    readout: list[int],
-    items: list[TextInput],
-    doc_max_length: int | None = None,
-    warn: bool = True,
-    max_length: int | None = None,
-) -> list[Tokenized]:
-    """Tokenize as LLM2Vec does; over-long texts are cut on the text side so the instruction survives.
-
-    ``readout`` is the token ids appended after every text (``mask_token`` pooling; [] otherwise).
-    Each text is tokenized once whole (the exact LLM2Vec sequence); only texts past ``max_length``
-    (default ``config.max_length``) are cut and tokenized again, until they fit (a cut can move a
-    BPE boundary by a token). ``doc_max_length`` first cuts every text to that many tokens.
-    """
-    if doc_max_length is not None:
-        items = _cut_texts(tokenizer, items, [doc_max_length] * len(items))
-    template, eos = config.prompt_template, config.applied_eos_suffix
-    max_length = (max_length or config.max_length) - len(readout)  # the appended mask tokens always fit
-    result: list[Tokenized] = [None] * len(items)  # type: ignore[list-item]
-    pending, truncated = list(range(len(items))), set()
-    while pending:
-        rendered = [render(items[i], template, eos) for i in pending]
-        full = _token_ids(tokenizer, [r[0] for r in rendered])
-        spans = _token_ids(tokenizer, [r[1] for r in rendered], special=False)
-        over = []
-        for i, ids, span in zip(pending, full, spans, strict=True):
-            ids = ids or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
-            if len(ids) <= max_length:
-                result[i] = Tokenized(ids + readout, len(readout) or min(len(span), len(ids)))
-            elif not items[i].text:
-                raise ValueError(
-                    f"Input {i}: the instruction and template alone take {len(ids) + len(readout)} tokens, "
-                    f"more than max_length={config.max_length}; shorten the instruction or raise max_length."
-                )
-            else:
-                over.append((i, len(ids) - max_length))
-        if over:
-            text_tokens = _token_ids(tokenizer, [items[i].text for i, _ in over], special=False)
-            limits = [max(len(t) - excess, 0) for t, (_, excess) in zip(text_tokens, over, strict=True)]
-            cut = _cut_texts(tokenizer, [items[i] for i, _ in over], limits)
-            for (i, _), item in zip(over, cut, strict=True):
-                items[i] = item if item != items[i] else replace(item, text=item.text[:-1])
-                truncated.add(i)
-        pending = [i for i, _ in over]
-    if truncated:
-        logger.log(
-            logging.WARNING if warn else logging.DEBUG,
-            "%d of %d texts were longer than max_length=%d tokens and were truncated on the text side.",
-            len(truncated),
-            len(items),
-            max_length,
-        )
-    return result
 
 
 # --------------------------------------------------------------------------- inputs and prompts
@@ -197,19 +116,84 @@ def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch
     return batches
 
 
+@dataclass(frozen=True)
+class BatchPlan:
+    """How ``encode`` groups texts into forwards: by count or token budget, padded or packed, for a device type."""
+
+    batch_size: int
+    max_tokens_per_batch: int | None = None
+    packing: str | bool = "auto"
+    device_type: str = "cpu"
+
+    def __post_init__(self):
+        check_batch_size(self.batch_size)
+        if self.max_tokens_per_batch is not None:
+            packing_mod.check_positive("max_tokens_per_batch", self.max_tokens_per_batch)
+        packing_mod.check_packing(self.packing)
+
+
 def make_batches(
-    encoder, lengths: list[int], device_type: str, batch_size: int, max_tokens_per_batch: int | None, packing
+    encoder, lengths: list[int], plan: BatchPlan
 ) -> tuple[list[list[int]], Callable[[list[Tokenized]], dict[str, torch.Tensor]]]:
-    """The batches (indices) and the collate function: packed rows where ``packing`` asks for them, else padded."""
-    if packing_mod.use_packing(packing, encoder.model, device_type, max(lengths)):
-        width = packing_mod.row_length(lengths, device_type)
-        rows = batch_size
-        if max_tokens_per_batch is not None:
-            rows = max(1, packing_mod.check_positive("max_tokens_per_batch", max_tokens_per_batch) // width)
-        return packing_mod.plan_batches(lengths, width, rows), functools.partial(
-            encoder._collate_packed, pack_length=width
+    """The batches (indices) and the collate function: packed rows where ``plan.packing`` asks for them, else padded."""
+    if packing_mod.use_packing(plan.packing, encoder.model, plan.device_type, max(lengths)):
+        width = packing_mod.row_length(lengths, plan.device_type)
+        rows = plan.batch_size if plan.max_tokens_per_batch is None else max(1, plan.max_tokens_per_batch // width)
+        bounded = packing_mod.BOUNDED_SHAPES.get(plan.device_type, False)
+        if bounded:  # full forwards then have exactly ``rows`` rows, the last of a step a power of two
+            rows = packing_mod.next_power_of_two(rows + 1) // 2
+        batches = packing_mod.plan_batches(lengths, width, rows)
+        pad = encoder.tokenizer.pad_token_id
+        return batches, functools.partial(_collate_packed, width=width, pad_token_id=pad, bounded=bounded)
+    return length_batches(lengths, plan.batch_size, plan.max_tokens_per_batch), encoder._collate
+
+
+def _collate_packed(batch: list[Tokenized], width: int, pad_token_id: int, bounded: bool) -> dict[str, torch.Tensor]:
+    return packing_mod.pack([(t.input_ids, t.span) for t in batch], width, pad_token_id, bounded)
+
+
+#: The producer tokenizes the inputs in steps: the first of at most ``FIRST_STEP`` texts, so the device
+#: starts at once, then ``STEP_BATCHES`` batches' worth (at most ``MAX_STEP`` texts) at a time.
+FIRST_STEP, STEP_BATCHES, MAX_STEP = 64, 8, 2048
+
+
+def _steps(n: int, batch_size: int) -> Iterator[tuple[int, int]]:
+    start, stop = 0, min(batch_size, FIRST_STEP)
+    while start < n:
+        yield start, min(stop, n)
+        start, stop = stop, stop + min(STEP_BATCHES * batch_size, MAX_STEP)
+
+
+def planned_batches(
+    encoder, items: list[TextInput], config: EncoderConfig, plan: BatchPlan, pin: bool = False
+) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """``(input indices, collated features)`` per forward, planned as the inputs are tokenized.
+
+    Token lengths are only known after tokenization, so the inputs are first sorted by a proxy
+    (characters, longest first) and tokenized a step at a time; each step's batches are planned by
+    exact token length, and the last, shortest batch of a step waits for the next step's texts. With
+    ``pin`` the features come in pinned memory, ready for a ``non_blocking`` copy to the GPU.
+    """
+    order = sorted(range(len(items)), key=lambda i: -(len(items[i].prefix) + len(items[i].text)))
+    readout = encoder._mask_readout_ids(config)
+    tokenized: dict[int, Tokenized] = {}
+    waiting: list[int] = []
+    truncated = 0
+    for start, stop in _steps(len(order), plan.batch_size):
+        step = order[start:stop]
+        rows, cut = tokenize_chunk(
+            encoder.tokenizer, config, readout, [items[i] for i in step], config.doc_max_length, config.max_length, step
         )
-    return length_batches(lengths, batch_size, max_tokens_per_batch), encoder._collate
+        truncated += cut
+        tokenized.update(zip(step, rows, strict=True))
+        pending = waiting + step
+        batches, collate = make_batches(encoder, [len(tokenized[i].input_ids) for i in pending], plan)
+        waiting = [pending[j] for j in batches.pop()] if stop < len(order) and len(batches) > 1 else []
+        for batch in batches:
+            indices = [pending[j] for j in batch]
+            features = collate([tokenized.pop(i) for i in indices])
+            yield indices, {k: v.pin_memory() for k, v in features.items()} if pin else features
+    warn_truncated(truncated, len(items), config.max_length - len(readout))
 
 
 def _resolve_devices(device, encoder) -> list:
@@ -249,19 +233,59 @@ def start_pool(encoder, devices: Sequence[str]):
     return DevicePool(encoder, list(devices))
 
 
-def _encode_local(encoder, tokenized, batches, device, show_progress_bar, collate) -> torch.Tensor:
+class _Outputs:
+    """Embeddings gathered where the model computed them and brought to the CPU in large pieces.
+
+    Each batch's output stays on the device (no host synchronisation per batch); every ``PIECE_BYTES``
+    of them are concatenated and copied to the CPU at once, into their rows of the (n, d) result.
+    """
+
+    PIECE_BYTES = 256 * 2**20
+
+    def __init__(self, n: int, dim: int):
+        self.out = torch.empty((n, dim), dtype=torch.float32)
+        self._indices: list[int] = []
+        self._pieces: list[torch.Tensor] = []
+
+    def add(self, indices: list[int], embeddings: torch.Tensor) -> None:
+        if embeddings.device.type == "cpu":
+            self.out[indices] = embeddings
+            return
+        self._indices += indices
+        self._pieces.append(embeddings)
+        if len(self._indices) * self.out.shape[1] * 4 >= self.PIECE_BYTES:
+            self.flush()
+
+    def flush(self) -> torch.Tensor:
+        if self._pieces:
+            self.out[self._indices] = torch.cat(self._pieces).cpu()
+            self._indices, self._pieces = [], []
+        return self.out
+
+
+def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> torch.Tensor:
+    """(n, d) float32 embeddings on the CPU, in input order, on one device; the batches are made ahead in a thread."""
     if device is not None and torch.device(device) != encoder.device:
         encoder.to(device)
-    out = torch.empty((len(tokenized), encoder.embedding_dim), dtype=torch.float32)
+    target = encoder.device
+    gathered = _Outputs(len(items), encoder.embedding_dim)
     was_training = encoder.training
     encoder.eval()
-    with torch.inference_mode(), onednn_linear(encoder.model, encoder.device):
-        for batch in tqdm(batches, desc="Encoding", disable=not show_progress_bar):
-            features = collate([tokenized[i] for i in batch])
-            features = {k: v.to(encoder.device) for k, v in features.items()}
-            out[batch] = encoder(features).float().cpu()
-    encoder.train(was_training)
-    return out
+    batches = planned_batches(encoder, items, config, plan, pin=target.type == "cuda")
+    try:
+        with (
+            Prefetcher(batches, depth=4) as ahead,
+            torch.inference_mode(),
+            onednn_linear(encoder.model, target),
+            tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar,
+        ):
+            for indices, features in ahead:
+                features = {k: v.to(target, non_blocking=True) for k, v in features.items()}
+                gathered.add(indices, encoder(features).float())
+                bar.update(len(indices))
+        return gathered.flush()
+    finally:
+        encoder.train(was_training)
 
 
 def own_pool(encoder, devices: Sequence[str]):
@@ -272,25 +296,23 @@ def own_pool(encoder, devices: Sequence[str]):
     return encoder._pool_workers
 
 
-def _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate) -> torch.Tensor:
-    return run_on_pool(own_pool(encoder, devices), encoder, tokenized, batches, show_progress_bar, collate)
+def run_on_pool(pool, encoder, items: list[TextInput], config: EncoderConfig, plan: BatchPlan,
+                show_progress_bar: bool) -> torch.Tensor:
+    """(n, d) float32 embeddings on the CPU, in input order, computed by ``pool``'s workers (the encoder's own or a
+    caller's, one device or several); each batch is sent as soon as it is planned."""
+    out = torch.empty((len(items), encoder.embedding_dim), dtype=torch.float32)
+    sent: list[list[int]] = []
 
+    def features():  # tokenized here while the workers run the batches already sent
+        for indices, batch in planned_batches(encoder, items, config, plan):
+            sent.append(indices)
+            yield batch
 
-def run_on_pool(pool, encoder, tokenized, batches, show_progress_bar: bool, collate) -> torch.Tensor:
-    """(n, d) float32 embeddings on the CPU, in input order, computed by ``pool``'s workers."""
-    out = torch.empty((len(tokenized), encoder.embedding_dim), dtype=torch.float32)
-    features = [collate([tokenized[i] for i in batch]) for batch in batches]
-    done = pool.run(features)
-    for index, embeddings in tqdm(done, total=len(batches), desc="Encoding", disable=not show_progress_bar):
-        out[batches[index]] = embeddings
+    with tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar:
+        for index, embeddings in pool.run(features()):
+            out[sent[index]] = embeddings
+            bar.update(len(sent[index]))
     return out
-
-
-def run_batches(encoder, tokenized, batches, devices: list, show_progress_bar: bool, collate) -> torch.Tensor:
-    """(n, d) float32 embeddings on the CPU, in input order: on one device, or shared by a pool of workers."""
-    if len(devices) > 1:
-        return _encode_on_pool(encoder, tokenized, batches, devices, show_progress_bar, collate)
-    return _encode_local(encoder, tokenized, batches, devices[0], show_progress_bar, collate)
 
 
 # --------------------------------------------------------------------------- the output
@@ -387,6 +409,7 @@ def encode(
         devices = list(pool.devices)
     else:
         devices = _resolve_devices(device, encoder)
+    plan = BatchPlan(batch_size, max_tokens_per_batch, packing, torch.device(devices[0] or encoder.device).type)
     items, single = prepare_inputs(sentences, encoder.config.prompts, prompt, prompt_name)
     overrides = {"max_length": max_length, "doc_max_length": doc_max_length}
     call = encoder.config.replace(**{k: v for k, v in overrides.items() if v is not None})  # validated
@@ -396,20 +419,17 @@ def encode(
             return []
         out = torch.zeros((0, encoder.embedding_dim), dtype=torch.float32)
         return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)
-    tokenized = encoder._tokenize_items(
-        items, doc_max_length=call.doc_max_length, max_length=call.max_length, config=call
-    )
-    lengths = [len(t.input_ids) for t in tokenized]
-    device_type = torch.device(devices[0] or encoder.device).type
-    if output_value != "sentence_embedding":
-        batches = length_batches(lengths, batch_size, max_tokens_per_batch)
-        if pool is None and len(devices) > 1:
-            pool = own_pool(encoder, devices)
+    if pool is None and len(devices) > 1:
+        pool = own_pool(encoder, devices)
+    if output_value != "sentence_embedding":  # per-token states: padded batches of inputs tokenized at once
+        tokenized = encoder._tokenize_items(
+            items, doc_max_length=call.doc_max_length, max_length=call.max_length, config=call
+        )
+        batches = length_batches([len(t.input_ids) for t in tokenized], batch_size, max_tokens_per_batch)
         rows = outputs.run_rows(encoder, tokenized, batches, devices[0], pool, show_progress_bar)
         return outputs.select(rows, output_value, truncate_dim, single)
-    batches, collate = make_batches(encoder, lengths, device_type, batch_size, max_tokens_per_batch, packing)
     if pool is not None:
-        out = run_on_pool(pool, encoder, tokenized, batches, show_progress_bar, collate)
+        out = run_on_pool(pool, encoder, items, call, plan, show_progress_bar)
     else:
-        out = run_batches(encoder, tokenized, batches, devices, show_progress_bar, collate)
+        out = _encode_local(encoder, items, call, plan, devices[0], show_progress_bar)
     return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)

@@ -9,9 +9,10 @@ outputs (``outputs.batch_rows``: token states too).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -69,13 +70,25 @@ class DevicePool:
             )
 
     def run(
-        self, batches: Sequence[dict[str, torch.Tensor]], per_row: bool = False
+        self, batches: Iterable[dict[str, torch.Tensor]], per_row: bool = False
     ) -> Iterator[tuple[int, torch.Tensor | list[dict[str, torch.Tensor]]]]:
-        """Yield ``(batch index, embeddings)`` (with ``per_row``: ``(batch index, rows)``) as workers finish them."""
-        for index, features in enumerate(batches):
-            self._tasks.put((index, features, per_row))
+        """Yield ``(batch index, embeddings)`` (with ``per_row``: ``(batch index, rows)``) as workers finish them.
+
+        Each batch is sent as soon as ``batches`` makes it. If making one fails, the results of those already
+        sent are awaited and dropped before the error is raised, so that none reaches the pool's next call.
+        """
+        sent = 0
+        try:
+            for index, features in enumerate(batches):
+                self._tasks.put((index, features, per_row))
+                sent += 1
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # a worker died: the pool is stopped, nothing to drop
+                for _ in range(sent):
+                    self._next_result()
+            raise
         errors = []
-        for _ in range(len(batches)):
+        for _ in range(sent):
             index, embeddings, error = self._next_result()
             if error is None:
                 yield index, embeddings

@@ -61,10 +61,27 @@ def check_positive(name: str, value) -> int:
     return value
 
 
+#: Device types whose packed forwards come in a bounded set of shapes, because their attention compiles a
+#: kernel per shape (flex_attention; ``torch.compile``): rows as wide as a power of two (at least
+#: ``MIN_BOUNDED_WIDTH``), and as many rows as a power of two, empty rows filling the last forward of a step.
+#: CPU rows are as wide as the longest text and no wider (nothing compiles per shape there).
+BOUNDED_SHAPES = {"cuda": True}
+MIN_BOUNDED_WIDTH = 128
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def row_length(lengths: Sequence[int], device_type: str) -> int:
     """Row width for packed encoding: the longest text, so attention per token costs no more than padded,
-    bounded by ``MAX_ROW_LENGTH`` (dense masks cost rows x width^2); longer texts get rows of their own."""
-    return max(1, min(max(lengths), MAX_ROW_LENGTH.get(device_type, 8192)))
+    bounded by ``MAX_ROW_LENGTH`` (dense masks cost rows x width^2); longer texts get rows of their own.
+    Where ``BOUNDED_SHAPES``, rounded up to a power of two (``MAX_ROW_LENGTH`` values are powers of two)."""
+    cap = MAX_ROW_LENGTH.get(device_type, 8192)
+    width = max(1, min(max(lengths), cap))
+    if BOUNDED_SHAPES.get(device_type, False):
+        width = min(max(next_power_of_two(width), MIN_BOUNDED_WIDTH), cap)
+    return width
 
 
 def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> list[list[int]]:
@@ -89,19 +106,25 @@ def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> lis
     return batches
 
 
-def pack(sequences: Sequence[tuple[Sequence[int], int]], capacity: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+def pack(
+    sequences: Sequence[tuple[Sequence[int], int]], capacity: int, pad_token_id: int, bounded: bool = False
+) -> dict[str, torch.Tensor]:
     """Pack ``(input_ids, span)`` pairs (span: how many trailing tokens are pooled) into rows.
 
     Returns ``input_ids``, ``position_ids`` and ``segment_ids`` (R, W) for the model (padding after
     the last text of a row gets a segment of its own per token), plus, per text in input order,
     ``unpack_index`` (B, T) into the flattened rows and the padded path's ``attention_mask`` and
-    ``embed_mask`` (B, T), left-aligned exactly as ``Encoder.tokenize`` lays them out.
+    ``embed_mask`` (B, T), left-aligned exactly as ``Encoder.tokenize`` lays them out. Rows are as
+    wide as the fullest one; ``bounded`` makes them ``capacity`` wide and their number a power of two
+    (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``).
     """
     lengths = [len(ids) for ids, _ in sequences]
     rows = pack_rows(lengths, capacity)
     width = max(max(sum(lengths[i] for i in row) for row in rows), 1)
     longest = max(max(lengths), 1)
     n_rows, n_texts = len(rows), len(sequences)
+    if bounded:
+        width, n_rows = max(width, capacity), next_power_of_two(n_rows)
     input_ids = torch.full((n_rows, width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((n_rows, width), dtype=torch.long)
     segment_ids = (-1 - torch.arange(width)).repeat(n_rows, 1)
@@ -254,11 +277,15 @@ AUTO_PACKING: dict[tuple[str, str], bool] = {
 }
 
 
-def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
-    """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
+def check_packing(choice) -> str | bool:
     if choice not in PACKING_CHOICES or not isinstance(choice, str | bool):
         raise ValueError(f"packing must be one of {PACKING_CHOICES}, got {choice!r}.")
-    if choice is False:
+    return choice
+
+
+def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
+    """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
+    if check_packing(choice) is False:
         return False
     problem = packing_problem(model, longest)
     if choice is True:

@@ -139,3 +139,52 @@ def test_auto_packing_reaches_encode(monkeypatch):
     encoder.encode(TEXTS, packing=True, show_progress_bar=False)
     encoder.encode(TEXTS, packing=False, show_progress_bar=False)
     assert seen == [True, False, True, False]
+
+
+def corpus(count: int) -> list[str]:
+    import json
+
+    from conftest import FIXTURES
+
+    lines = (FIXTURES / "beir" / "reasonaug" / "corpus.jsonl").read_text().splitlines()
+    return [json.loads(line)["text"][: 40 + 37 * i % 700] for i, line in enumerate(lines[:count])]
+
+
+def planned_shapes(encoder: Encoder, texts: list[str], plan) -> tuple[set, torch.Tensor]:
+    """Run ``plan``'s batches (planned for any device type) on the CPU: their shapes and the embeddings."""
+    from diffusion_embedder import inference
+
+    items, _ = inference.prepare_inputs(texts, {}, None, None)
+    out = torch.empty((len(texts), encoder.embedding_dim))
+    shapes = set()
+    with torch.inference_mode():
+        for indices, features in inference.planned_batches(encoder, items, encoder.config, plan):
+            shapes.add(tuple(features["input_ids"].shape))
+            out[indices] = encoder(features)
+    return shapes, out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bounded_cuda_shapes_equal_padded_on_cpu(family_checkpoint, family):
+    """CUDA's packed forwards (power-of-two widths and row counts, so flex_attention compiles few kernels)
+    give the padded path's vectors; run here on the CPU, planned as for CUDA."""
+    from diffusion_embedder.inference import BatchPlan
+
+    encoder = load(family_checkpoint(family), attn_implementation=default_attention(family)).eval()
+    texts = corpus(24)
+    padded = encoder.encode(texts, batch_size=5, packing=False, show_progress_bar=False)
+    for plan in (BatchPlan(3, None, True, "cuda"), BatchPlan(4, 600, True, "cuda")):
+        shapes, packed = planned_shapes(encoder, texts, plan)
+        assert torch.allclose(packed, padded, atol=1e-5, rtol=0), (family, plan, (packed - padded).abs().max())
+        assert all(rows & (rows - 1) == 0 and width & (width - 1) == 0 for rows, width in shapes), shapes
+
+
+def test_bounded_shapes_are_few_where_cpu_rows_vary():
+    from diffusion_embedder.inference import BatchPlan
+
+    encoder = load(LLAMA_FIXTURE, attn_implementation="sdpa").eval()
+    texts = corpus(100)
+    bounded, _ = planned_shapes(encoder, texts, BatchPlan(4, None, True, "cuda"))
+    exact, _ = planned_shapes(encoder, texts, BatchPlan(4, None, True, "cpu"))
+    assert {w for _, w in bounded} <= {128, 256, 512} and {r for r, _ in bounded} <= {1, 2, 4}
+    assert len(bounded) <= 9 < len(exact), (bounded, exact)
