@@ -279,3 +279,29 @@ def test_checkpointing_is_read_under_the_installed_transformers_spelling(install
     both = {"output_dir": "o", "activation_checkpointing": True, "gradient_checkpointing": True}
     with pytest.raises(ConfigError, match="same setting"):
         schema.validate(both)
+
+
+@pytest.mark.parametrize("installed", ["activation_checkpointing", "gradient_checkpointing"])
+def test_either_checkpointing_spelling_works_on_the_command_line_and_errors_name_it_as_given(installed, tmp_path):
+    """On 5.17 ``--activation_checkpointing false`` reached the run as the string 'false' (typed by no field), and an
+    override under one spelling did not replace the config's setting under the other."""
+    from diffusion_embedder.training.arguments import parse_overrides, read_config_values
+    from diffusion_embedder.training.schema import StageSchema
+
+    Release = dataclasses.make_dataclass(
+        "Release", [("output_dir", str | None, dataclasses.field(default=None)),
+                    ("remove_unused_columns", bool, dataclasses.field(default=True)),
+                    (installed, bool, dataclasses.field(default=False))],
+    )
+    schema = StageSchema((Release,))
+    for spelling in ("activation_checkpointing", "gradient_checkpointing"):
+        assert parse_overrides([f"--{spelling}", "false"], (Release,)) == {installed: False}
+        config = tmp_path / f"{spelling}.json"
+        other = "gradient_checkpointing" if spelling == "activation_checkpointing" else "activation_checkpointing"
+        config.write_text(json.dumps({"output_dir": "o", other: True}))
+        values = read_config_values(config, [f"--{spelling}", "false"], (Release,))
+        (args,) = schema.validate(values)
+        assert getattr(args, installed) is False
+        with pytest.raises(ConfigError) as err:
+            schema.validate({"output_dir": "o", spelling: "maybe"})
+        assert f"- {spelling}: 'maybe' (str) is not of type bool" in str(err.value)

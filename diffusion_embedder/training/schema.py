@@ -153,8 +153,13 @@ def field_table(classes: tuple[type, ...]) -> dict[str, FieldEntry]:
 
 
 def field_aliases(classes: tuple[type, ...]) -> dict[str, str]:
-    """``alias -> field``: the upstream names the fields of ``classes`` also accept."""
-    return {f.metadata["alias"]: name for name, (_, f, _) in field_table(classes).items() if f.metadata.get("alias")}
+    """``alias -> field``: the upstream names the fields of ``classes`` also accept, and the other transformers
+    release's spelling of a renamed TrainingArguments field (so a config and a ``--key value`` override may use
+    either, whichever release is installed)."""
+    table = field_table(classes)
+    aliases = {f.metadata["alias"]: name for name, (_, f, _) in table.items() if f.metadata.get("alias")}
+    renames = {old: new for old, new in TRANSFORMERS_RENAMES if old not in table and new in table}
+    return {**aliases, **renames}
 
 
 def field_choices(classes: tuple[type, ...]) -> dict[str, tuple]:
@@ -236,14 +241,21 @@ class StageSchema:
         """Upstream names (``metadata["alias"]``) renamed to ours, and a TrainingArguments field renamed between
         transformers releases to the installed spelling; giving both names of one setting is an error."""
         values, errors = dict(values), []
-        table = field_table(self.classes)
-        renames = {old: new for old, new in TRANSFORMERS_RENAMES if old not in table and new in table}
-        for alias, name in {**field_aliases(self.classes), **renames}.items():
+        for alias, name in field_aliases(self.classes).items():
             if alias in values:
                 if name in values:
                     errors.append(f"{alias} and {name} are the same setting; give one")
                 values[name] = values.pop(alias)
         return values, errors
+
+    def as_given(self, given: dict[str, Any], problems: list[str]) -> list[str]:
+        """``problems`` (each starting with the canonical field's name) naming each field as ``given`` spells it."""
+        spelled = {name: alias for alias, name in field_aliases(self.classes).items() if alias in given}
+        out = []
+        for problem in problems:
+            name = problem.split(":", 1)[0]
+            out.append(spelled[name] + problem[len(name):] if name in spelled else problem)
+        return out
 
     def problems(self, values: dict[str, Any]) -> list[str]:
         """Every problem of canonical ``values``, each naming its field."""
@@ -265,8 +277,9 @@ class StageSchema:
 
     def resolve(self, values: dict[str, Any], source: str = "config") -> tuple[dict[str, Any], list[Any]]:
         """``validate``, also returning the values under their canonical names (the run's config record)."""
+        given = values
         values, errors = self.canonical(values)
-        errors += self.problems(values)
+        errors += self.as_given(given, self.problems(values))
         if errors:
             raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(errors))
         table = field_table(self.classes)
