@@ -125,8 +125,10 @@ def test_upstream_training_names_are_aliases():
     assert cfg.model.max_length == 99 and cfg.model.enable_bidirectional is False
     with pytest.raises(ConfigError, match="max_seq_length and max_length are the same setting"):
         validate({**base, "max_seq_length": 99, "max_length": 98})
-    with pytest.raises(ConfigError, match="max_length: must be >= 1"):
+    with pytest.raises(ConfigError, match="- max_seq_length: must be >= 1"):  # named as the config spells it
         validate({**base, "max_seq_length": 0})
+    with pytest.raises(ConfigError, match="- max_length: must be >= 1"):
+        validate({**base, "max_length": 0})
 
 
 @pytest.mark.parametrize(
