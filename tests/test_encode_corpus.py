@@ -124,8 +124,9 @@ def test_a_killed_rank_leaves_complete_chunks_and_the_rerun_encodes_only_the_res
     done = complete_chunks(out)
     assert 1 in done and 3 not in done and 5 not in done  # rank 1 has chunks 1, 3, 5 and died on 3
     assert (out / "chunk-000003.npy").exists()  # its rows are there, without their record
+    made_by = ec.identity(json.loads((out / "manifest.json").read_text()))
     for index in done:
-        ec._check_chunk(str(out), index, 64)  # every chunk with a record is complete and intact
+        ec._check_chunk(str(out), index, 64, made_by)  # every chunk with a record is complete and intact
     with pytest.raises(ValueError, match="was not completed"):
         ec.load_embeddings(str(out))
     stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))
@@ -149,6 +150,24 @@ def test_a_damaged_chunk_is_refused_by_the_reader_and_encoded_again(reference, t
         stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))
     assert stats.chunks == [2] and "Encoding chunk 2 again" in caplog.text
     assert np.array_equal(ec.load_embeddings(str(out))[1], reference[2])
+
+
+def test_chunks_of_another_model_or_setting_are_never_reused_even_without_the_manifest(reference, tmp_path, caplog):
+    """Deleting manifest.json (to get past the refusal) and rerunning with other settings re-encodes every chunk,
+    and a manifest put back beside chunks it did not make is refused by the reader."""
+    out = tmp_path / "copy"
+    shutil.copytree(reference[0], out)
+    original = (out / "manifest.json").read_text()
+    (out / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu", "--pooling_mode", "weighted_mean")))
+    assert stats.chunks == list(range(NUM_CHUNKS)) and stats.skipped_chunks == 0
+    assert "made by another model, settings or corpus" in caplog.text
+    _, weighted = ec.load_embeddings(str(out))
+    assert not np.allclose(weighted, reference[2])
+    (out / "manifest.json").write_text(original)
+    with pytest.raises(ValueError, match="chunk-000000.json: made by another model, settings or corpus"):
+        ec.load_embeddings(str(out))
 
 
 def test_another_model_setting_or_corpus_is_refused_naming_what_differs(reference, tmp_path, family_checkpoint):

@@ -34,16 +34,45 @@ KEYS_SUFFIX = ".keys.json"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 
-class _BadShard(Exception):
-    """A shard that cannot be trusted: ``path`` is the file at fault, the message says why."""
+class BadRows(ValueError):
+    """Rows on disk that cannot be trusted: ``path`` is the file at fault, the message says why."""
 
     def __init__(self, path: str, reason: str):
         super().__init__(reason)
         self.path = path
 
 
+def save_rows(base: str, vectors: np.ndarray) -> str:
+    """Write ``vectors`` to ``base.npy`` through a temporary file renamed into place; the SHA-256 of its bytes.
+
+    The caller writes the record holding that digest afterwards, so a record always names complete rows.
+    """
+    tmp = f"{base}.{uuid.uuid4().hex}.tmp.npy"
+    np.save(tmp, vectors)
+    digest = file_sha256(tmp)
+    os.replace(tmp, base + ".npy")
+    return digest
+
+
+def load_rows(path: str, digest: str, num_rows: int, dim: int | None = None) -> np.ndarray:
+    """The memory-mapped float32 rows ``save_rows`` wrote, checked, or ``BadRows``: a missing, truncated,
+    mis-shaped or altered file (its bytes no longer hash to ``digest``) never serves rows."""
+    try:
+        rows = np.load(path, mmap_mode="r")
+    except FileNotFoundError:
+        raise BadRows(path, "missing") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise BadRows(path, f"unreadable or truncated: {e}") from None
+    if rows.ndim != 2 or rows.dtype != np.float32 or rows.shape[0] != num_rows or dim not in (None, rows.shape[1]):
+        expected = f"({num_rows}, {dim})" if dim is not None else f"with {num_rows} rows"
+        raise BadRows(path, f"array {rows.dtype}{rows.shape}, expected float32 {expected}")
+    if file_sha256(path) != digest:
+        raise BadRows(path, "its bytes changed since it was written (SHA-256 differs from its record)")
+    return rows
+
+
 def _read_shard(folder: str, shard: str) -> tuple[list[str], np.ndarray]:
-    """The text hashes and the (memory-mapped) rows of one shard, or ``_BadShard`` naming the broken file.
+    """The text hashes and the (memory-mapped) rows of one shard, or ``BadRows`` naming the broken file.
 
     Checked: the key file is a JSON object with the SHA-256 of each text and of the ``.npy`` file; the
     ``.npy`` exists, is a 2-D float32 array with one row per key, and its bytes hash to the stored digest.
@@ -55,24 +84,13 @@ def _read_shard(folder: str, shard: str) -> tuple[list[str], np.ndarray]:
         with open(keys_path, encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _BadShard(keys_path, f"unreadable key file: {e}") from None
+        raise BadRows(keys_path, f"unreadable key file: {e}") from None
     if not isinstance(record, dict) or not isinstance(record.get("rows_sha256"), str):
-        raise _BadShard(keys_path, "the key file has no checksum of the rows (damaged, or an older cache version)")
+        raise BadRows(keys_path, "the key file has no checksum of the rows (damaged, or an older cache version)")
     hashes = record.get("texts")
     if not isinstance(hashes, list) or not all(isinstance(h, str) and _HASH.match(h) for h in hashes):
-        raise _BadShard(keys_path, "the key file's 'texts' is not a list of SHA-256 text hashes")
-    rows_path = os.path.join(folder, f"{shard}.npy")
-    try:
-        rows = np.load(rows_path, mmap_mode="r")
-    except FileNotFoundError:
-        raise _BadShard(rows_path, "missing") from None
-    except (OSError, ValueError, EOFError) as e:
-        raise _BadShard(rows_path, f"unreadable or truncated: {e}") from None
-    if rows.ndim != 2 or rows.dtype != np.float32 or rows.shape[0] != len(hashes):
-        raise _BadShard(rows_path, f"array {rows.dtype}{rows.shape} does not match {len(hashes)} keys")
-    if file_sha256(rows_path) != record["rows_sha256"]:
-        raise _BadShard(rows_path, "its bytes changed since it was written (SHA-256 differs from the key file's)")
-    return hashes, rows
+        raise BadRows(keys_path, "the key file's 'texts' is not a list of SHA-256 text hashes")
+    return hashes, load_rows(os.path.join(folder, f"{shard}.npy"), record["rows_sha256"], len(hashes))
 
 
 def file_sha256(path: str) -> str:
@@ -130,8 +148,8 @@ class EmbeddingCache:
                 try:
                     hashes, rows = _read_shard(folder, shard)
                     if dim is not None and rows.shape[1] != dim:
-                        raise _BadShard(os.path.join(folder, f"{shard}.npy"), f"{rows.shape[1]} columns, not {dim}")
-                except _BadShard as bad:
+                        raise BadRows(os.path.join(folder, f"{shard}.npy"), f"{rows.shape[1]} columns, not {dim}")
+                except BadRows as bad:
                     logger.warning("Embedding cache: discarding %s (%s); its texts are encoded again.", bad.path, bad)
                     for path in (os.path.join(folder, name), os.path.join(folder, f"{shard}.npy")):
                         with contextlib.suppress(FileNotFoundError):
@@ -161,10 +179,7 @@ class EmbeddingCache:
             with open(meta_path, "w", encoding="utf-8") as f:
                 json.dump(settings, f, indent=2, sort_keys=True, default=str)
         shard = uuid.uuid4().hex
-        tmp = os.path.join(folder, f"{shard}.tmp.npy")
-        np.save(tmp, vectors)
-        digest = file_sha256(tmp)
-        os.replace(tmp, os.path.join(folder, f"{shard}.npy"))
+        digest = save_rows(os.path.join(folder, shard), vectors)
         hashes = [text_hash(t) for t in texts]
         with open(os.path.join(folder, f"{shard}.keys.tmp"), "w", encoding="utf-8") as f:
             json.dump({"rows_sha256": digest, "texts": hashes}, f)

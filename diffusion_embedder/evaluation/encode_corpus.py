@@ -8,7 +8,8 @@ text joined as mteb joins them (``document_text``), no instruction. The output f
     manifest.json      the model (base, adapter, weights hash), every encoder setting, dtype and dimension, the
                        corpus (source, fingerprint, rows), the chunk plan, the package version
     chunk-000000.npy   float32 rows of the chunk's documents, in corpus order
-    chunk-000000.json  their ids and rows and the SHA-256 of the .npy; written last, so it marks the chunk complete
+    chunk-000000.json  their ids and rows, the SHA-256 of the .npy and of the manifest's identity (what the vectors
+                       depend on); written last, so it marks the chunk complete
 
 Chunks, not shards, are the unit on disk: they are ``sharding.plan_chunks`` over the corpus, whatever the number
 of processes, and process ``s`` of ``n`` (``--num_shards``/``--shard_index``, times torchrun's ranks) encodes
@@ -34,7 +35,7 @@ import numpy as np
 
 from diffusion_embedder import __version__, distributed
 from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
-from diffusion_embedder.evaluation.cache import file_sha256
+from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
     ModelOptions,
     command_parser,
@@ -98,12 +99,15 @@ class Corpus:
 
 @dataclass
 class EncodeStats:
-    """What one process did: chunks encoded (their count, texts and indices), chunks found complete on disk."""
+    """What one process did: chunks encoded (their indices and texts), chunks found complete on disk."""
 
-    encoded_chunks: int = 0
     encoded_texts: int = 0
     skipped_chunks: int = 0
     chunks: list[int] = field(default_factory=list)
+
+    @property
+    def encoded_chunks(self) -> int:
+        return len(self.chunks)
 
 
 def document_text(title: str | None, text: str) -> str:
@@ -175,6 +179,13 @@ def _differences(stored: dict, manifest: dict) -> list[str]:
     return lines
 
 
+def identity(manifest: dict) -> str:
+    """SHA-256 of the manifest's ``IDENTITY_KEYS`` values: stored in every chunk record, so a chunk is never taken
+    for another model's, settings' or corpus's, even where the manifest was deleted or replaced."""
+    flat = _flat(json.loads(json.dumps(manifest)))
+    return hashlib.sha256(json.dumps([flat.get(k) for k in IDENTITY_KEYS], sort_keys=True).encode()).hexdigest()
+
+
 def claim_folder(folder: str, manifest: dict) -> None:
     """Write ``manifest.json`` (the first process to arrive does, atomically), or check the one there."""
     os.makedirs(folder, exist_ok=True)
@@ -193,41 +204,39 @@ def claim_folder(folder: str, manifest: dict) -> None:
                          f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
 
 
-def _check_chunk(folder: str, index: int, dim: int, ids: list[str] | None = None) -> dict:
-    """The record of a complete, intact chunk, or ``ValueError`` naming the file and what is wrong."""
+def _check_chunk(
+    folder: str, index: int, dim: int, made_by: str, ids: list[str] | None = None
+) -> tuple[dict, np.ndarray]:
+    """The record and memory-mapped rows of a complete, intact chunk made under identity ``made_by``, or
+    ``ValueError`` naming the file and what is wrong."""
     record_path = os.path.join(folder, chunk_name(index) + ".json")
-    rows_path = os.path.join(folder, chunk_name(index) + ".npy")
     if not os.path.exists(record_path):
         raise ValueError(f"{record_path}: missing (chunk {index} was not completed)")
     record = read_json_object(record_path, ValueError)
     if not isinstance(record.get("ids"), list) or not isinstance(record.get("sha256"), str):
         raise ValueError(f"{record_path}: not a chunk record (ids, rows, sha256)")
+    if record.get("identity") != made_by:
+        raise ValueError(f"{record_path}: made by another model, settings or corpus than the manifest's")
     if ids is not None and record["ids"] != ids:
         raise ValueError(f"{record_path}: its ids are not the corpus's ids for this chunk")
     try:
-        rows = np.load(rows_path, mmap_mode="r")
-    except (OSError, ValueError, EOFError) as e:
-        raise ValueError(f"{rows_path}: unreadable or truncated ({e})") from None
-    if rows.dtype != np.float32 or rows.shape != (len(record["ids"]), dim):
-        raise ValueError(f"{rows_path}: array {rows.dtype}{rows.shape}, expected float32 ({len(record['ids'])}, {dim})")
-    if file_sha256(rows_path) != record["sha256"]:
-        raise ValueError(f"{rows_path}: its bytes changed since it was written (SHA-256 differs from its record)")
-    return record
+        rows = load_rows(os.path.join(folder, chunk_name(index) + ".npy"), record["sha256"], len(record["ids"]), dim)
+    except BadRows as bad:
+        raise ValueError(f"{bad.path}: {bad}") from None
+    return record, rows
 
 
-def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray) -> None:
+def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray,
+                 made_by: str) -> None:
     """The chunk's rows, then its record (temporary files renamed into place, the record last)."""
     base = os.path.join(folder, chunk_name(index))
     for leftover in glob.glob(f"{base}.*.tmp*"):  # from a killed run
         with contextlib.suppress(FileNotFoundError):
             os.remove(leftover)
-    tmp = f"{base}.{uuid.uuid4().hex}.tmp.npy"
-    np.save(tmp, vectors)
-    digest = file_sha256(tmp)
-    os.replace(tmp, base + ".npy")
+    digest = save_rows(base, vectors)
     tmp = f"{base}.{uuid.uuid4().hex}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"ids": ids, "rows": list(rows), "sha256": digest}, f)
+        json.dump({"ids": ids, "rows": list(rows), "sha256": digest, "identity": made_by}, f)
     os.replace(tmp, base + ".json")
 
 
@@ -236,19 +245,19 @@ def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
     manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{os.path.join(output_dir, MANIFEST)}: format {manifest.get('format')!r}, not {FORMAT!r}")
-    dim, plan = manifest["embedding_dim"], manifest["chunks"]
+    dim, plan, made_by = manifest["embedding_dim"], manifest["chunks"], identity(manifest)
     ids: list[str] = []
     blocks = []
     for index in range(plan["num_chunks"]):
         try:
-            record = _check_chunk(output_dir, index, dim)
+            record, rows = _check_chunk(output_dir, index, dim, made_by)
         except ValueError as e:
             raise ValueError(f"{e}; rerun the encode command into {output_dir} to finish it.") from None
         if record.get("rows") != [len(ids), len(ids) + len(record["ids"])]:
             raise ValueError(f"{os.path.join(output_dir, chunk_name(index))}.json: rows {record.get('rows')}, "
                              f"expected to start at {len(ids)}")
         ids += record["ids"]
-        blocks.append(np.load(os.path.join(output_dir, chunk_name(index) + ".npy")))
+        blocks.append(rows)  # memory-mapped: np.concatenate makes the one copy in memory
     expected = manifest["corpus"]["num_rows"]
     if len(ids) != expected:
         raise ValueError(f"{output_dir}: {len(ids)} rows in the chunks, the manifest says {expected}")
@@ -312,7 +321,9 @@ def encode_corpus(args) -> EncodeStats:
     chunks = plan_chunks([len(t) for t in corpus.texts], args.chunk_size)
     encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                               load_device, **encoder_overrides(args))
-    claim_folder(args.output_dir, _manifest(args, encoder, corpus, chunks, num_shards))
+    manifest = _manifest(args, encoder, corpus, chunks, num_shards)
+    claim_folder(args.output_dir, manifest)
+    made_by = identity(manifest)
     stats = EncodeStats()
     mine = range(shard, len(chunks), num_shards)
     if args.show_progress_bar and distributed.is_main():
@@ -323,7 +334,7 @@ def encode_corpus(args) -> EncodeStats:
         start, end = chunks[index]
         ids = corpus.ids[start:end]
         try:
-            _check_chunk(args.output_dir, index, encoder.embedding_dim, ids)
+            _check_chunk(args.output_dir, index, encoder.embedding_dim, made_by, ids)
             stats.skipped_chunks += 1
             continue
         except ValueError as e:
@@ -332,8 +343,7 @@ def encode_corpus(args) -> EncodeStats:
         vectors = encode_chunk(encoder, [["", t] for t in corpus.texts[start:end]], encode_device,
                                batch_size=args.batch_size, show_progress_bar=False,
                                max_tokens_per_batch=args.max_tokens_per_batch)
-        _write_chunk(args.output_dir, index, ids, (start, end), vectors)
-        stats.encoded_chunks += 1
+        _write_chunk(args.output_dir, index, ids, (start, end), vectors, made_by)
         stats.encoded_texts += end - start
         stats.chunks.append(index)
     return stats
