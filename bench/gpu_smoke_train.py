@@ -176,20 +176,12 @@ def make_data(folder: Path, plan: Plan, checkpoint: Path) -> dict:
     return dict(triples=samples, text_records=blocks)
 
 
-def checkpointing_key() -> str:
-    """``activation_checkpointing`` where TrainingArguments has it (transformers >= 5.2x), else the older name."""
-    from transformers import TrainingArguments
-
-    names = {f.name for f in dataclasses.fields(TrainingArguments)}
-    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
-
-
 def configs(out: Path, plan: Plan, checkpoint: Path) -> tuple[Path, Path]:
     common = {
         "model_name_or_path": str(checkpoint),
         "torch_dtype": plan.dtype,
         "bf16": plan.bf16,
-        checkpointing_key(): True,
+        "activation_checkpointing": True,  # read as gradient_checkpointing on transformers 5.17
         "attn_implementation": "sdpa",
         "lora_r": 16,
         "seed": 42,

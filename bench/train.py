@@ -204,7 +204,6 @@ def profile_table(step, device: str) -> str:
 
 def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     import torch
-    from gpu_smoke_train import checkpointing_key
 
     from diffusion_embedder.data import ContrastiveCollator, TrainSample
     from diffusion_embedder.losses import HardNegativeNLLLoss
@@ -223,7 +222,7 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     encoder = random_encoder(model_type, dims, MODEL, device=device, dtype=dtype, max_length=plan.max_length)
     cfg = validate({"model_name_or_path": str(MODEL), "dataset_name": "Custom", "output_dir": "/tmp/bench_train_gpu",
                     "report_to": "none", "lora_r": 16, "use_cpu": dry_run, "bf16": not dry_run,
-                    checkpointing_key(): step_config.checkpointing, "lora_dropout": step_config.lora_dropout,
+                    "activation_checkpointing": step_config.checkpointing, "lora_dropout": step_config.lora_dropout,
                     "per_device_train_batch_size": triples})  # fmt: skip
     encoder.model = add_lora(encoder.model, cfg.custom)  # r 16 on all seven projections
     enable_checkpointing(encoder.model, cfg.training)

@@ -281,27 +281,45 @@ def test_checkpointing_is_read_under_the_installed_transformers_spelling(install
         schema.validate(both)
 
 
-@pytest.mark.parametrize("installed", ["activation_checkpointing", "gradient_checkpointing"])
+@pytest.mark.parametrize("installed", [("activation_checkpointing",), ("gradient_checkpointing",),
+                                       ("activation_checkpointing", "gradient_checkpointing")])
 def test_either_checkpointing_spelling_works_on_the_command_line_and_errors_name_it_as_given(installed, tmp_path):
-    """On 5.17 ``--activation_checkpointing false`` reached the run as the string 'false' (typed by no field), and an
-    override under one spelling did not replace the config's setting under the other."""
+    """On 5.17 ``--activation_checkpointing false`` reached the run as the string 'false' (typed by no field); on
+    5.23, which has both fields (the old one a deprecated alias the new one overrides), ``--gradient_checkpointing
+    false`` beside a config's ``activation_checkpointing: true`` was silently ignored. Either spelling is read under
+    the newest one installed, an override replaces the other spelling, and errors name the spelling given."""
     from diffusion_embedder.training.arguments import parse_overrides, read_config_values
     from diffusion_embedder.training.schema import StageSchema
 
     Release = dataclasses.make_dataclass(
         "Release", [("output_dir", str | None, dataclasses.field(default=None)),
                     ("remove_unused_columns", bool, dataclasses.field(default=True)),
-                    (installed, bool, dataclasses.field(default=False))],
+                    *[(name, bool, dataclasses.field(default=False)) for name in installed]],
     )
+    read_as = installed[0]  # the newest spelling installed
     schema = StageSchema((Release,))
     for spelling in ("activation_checkpointing", "gradient_checkpointing"):
-        assert parse_overrides([f"--{spelling}", "false"], (Release,)) == {installed: False}
+        assert parse_overrides([f"--{spelling}", "false"], (Release,)) == {read_as: False}
         config = tmp_path / f"{spelling}.json"
         other = "gradient_checkpointing" if spelling == "activation_checkpointing" else "activation_checkpointing"
         config.write_text(json.dumps({"output_dir": "o", other: True}))
         values = read_config_values(config, [f"--{spelling}", "false"], (Release,))
         (args,) = schema.validate(values)
-        assert getattr(args, installed) is False
+        assert getattr(args, read_as) is False
         with pytest.raises(ConfigError) as err:
             schema.validate({"output_dir": "o", spelling: "maybe"})
         assert f"- {spelling}: 'maybe' (str) is not of type bool" in str(err.value)
+    with pytest.raises(ConfigError, match="same setting"):
+        schema.validate({"output_dir": "o", "activation_checkpointing": True, "gradient_checkpointing": False})
+
+
+def test_a_gradient_checkpointing_override_reaches_the_installed_training_arguments():
+    """The real TrainingArguments of the installed transformers, through the supervised stage's config reader."""
+    from diffusion_embedder.training.arguments import load_config
+
+    config = ROOT / "train_configs" / "tiny" / "custom.json"
+    assert json.loads(config.read_text())["activation_checkpointing"] is True
+    for spelling in ("activation_checkpointing", "gradient_checkpointing"):
+        training = load_config(config, [f"--{spelling}", "false", "--output_dir", "o"]).training
+        names = ("activation_checkpointing", "gradient_checkpointing")
+        assert not any(getattr(training, name, False) for name in names)

@@ -225,8 +225,7 @@ def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSE
             raise ConfigError(f"Expected --key value after the config path, got {token!r}.")
         key, eq, raw = token[2:].partition("=")
         key = key.replace("-", "_")
-        if key not in table:
-            key = aliases.get(key, key)
+        key = aliases.get(key, key)  # overrides come out under the names the fields have
         tp = table[key][2] if key in table else str
         if not eq:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -250,7 +249,7 @@ def read_config_values(
     values = read_json_object(path, ConfigError)
     overridden = parse_overrides(overrides or [], classes)
     for alias, canonical in field_aliases(classes).items():  # an override replaces the setting under either name
-        if alias in overridden or canonical in overridden:
+        if canonical in overridden:
             values.pop(alias, None)
             values.pop(canonical, None)
     values.update(overridden)

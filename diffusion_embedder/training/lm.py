@@ -54,7 +54,7 @@ from diffusion_embedder.training.runner import (
     open_run,
     run_cli,
 )
-from diffusion_embedder.training.schema import ConfigError, StageSchema
+from diffusion_embedder.training.schema import StageSchema
 from diffusion_embedder.training.trainer import RunTrainer
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,13 @@ class LMStageArguments(RunArguments, LoraArguments, BackboneArguments):
     full_training: bool = field(default=False, metadata={"help": "Train every weight, no LoRA (small models)."})
 
 
+def data_problems(values: dict[str, Any]) -> list[str]:
+    """The LM stage's rule across fields: its text comes from the hub or from local files."""
+    if bool(values.get("dataset_name")) == bool(values.get("train_file")):
+        return ["give either dataset_name (hub) or train_file (local), not both or neither"]
+    return []
+
+
 LM_STAGE = StageSchema(
     classes=(LMStageArguments, TrainingArguments),
     ranges={
@@ -98,7 +105,7 @@ LM_STAGE = StageSchema(
         "mlm_probability": ((0, False), (1, True)),
         "mdm_eps": ((0, False), (1, False)),
     },
-    rules=(lm_stage_rules,),
+    rules=(lm_stage_rules, data_problems),
 )
 
 
@@ -241,22 +248,12 @@ def objective_options(args: LMStageArguments, model: AdaptedLM) -> ObjectiveOpti
     )
 
 
-def data_problems(args: LMStageArguments) -> list[str]:
-    """The LM stage's rule across fields: its text comes from the hub or from local files."""
-    if bool(args.dataset_name) == bool(args.train_file):
-        return ["give either dataset_name (hub) or train_file (local), not both or neither"]
-    return []
-
-
 def train(values: dict[str, Any], source: str = "config") -> str:
     """Run one LM stage from its config values; returns the run folder (its root holds the final output)."""
-    args, t = LM_STAGE.validate(values, source)
-    problems = data_problems(args)
-    if problems:
-        raise ConfigError(f"Invalid training {source}:\n  - " + "\n  - ".join(problems))
+    values, (args, t) = LM_STAGE.resolve(values, source)  # recorded under the names the fields have
     # the text first: a bad data file stops the run before its folder is touched
     texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
-    run = open_run(t, args.experiment_id or experiment_id(args, t), dict(values), args, LM_STAGE.classes)
+    run = open_run(t, args.experiment_id or experiment_id(args, t), values, args, LM_STAGE.classes)
 
     def build() -> LMStageTrainer:
         objective = OBJECTIVES[args.objective]

@@ -29,11 +29,11 @@ class ConfigError(ValueError):
     """A training config that cannot run; the message lists every problem found."""
 
 
-#: TrainingArguments fields transformers renamed (5.23 ``activation_*``, 5.17 on the GPU machines ``gradient_*``):
-#: a config may use either spelling, read under the one the installed release has.
-_RENAMED = (("activation_checkpointing", "gradient_checkpointing"),
-            ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
-TRANSFORMERS_RENAMES = _RENAMED + tuple((new, old) for old, new in _RENAMED)
+#: TrainingArguments fields transformers renamed, ``(new, old)``: 5.23 ``activation_*`` (keeping ``gradient_*`` as a
+#: deprecated alias that the new field overrides), 5.17 on the GPU machines ``gradient_*`` only. A config may use
+#: either spelling; it is read under the newest one the installed release has, so the two never both reach it.
+TRANSFORMERS_RENAMES = (("activation_checkpointing", "gradient_checkpointing"),
+                        ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
 #: Defaults that differ from TrainingArguments' (our datasets are not `datasets.Dataset`s).
 TRAINING_DEFAULTS = {"remove_unused_columns": False}
 #: TrainingArguments fields a stage cannot run without: missing when absent or null.
@@ -158,7 +158,12 @@ def field_aliases(classes: tuple[type, ...]) -> dict[str, str]:
     either, whichever release is installed)."""
     table = field_table(classes)
     aliases = {f.metadata["alias"]: name for name, (_, f, _) in table.items() if f.metadata.get("alias")}
-    renames = {old: new for old, new in TRANSFORMERS_RENAMES if old not in table and new in table}
+    renames = {}
+    for new, old in TRANSFORMERS_RENAMES:
+        if new in table:
+            renames[old] = new
+        elif old in table:
+            renames[new] = old
     return {**aliases, **renames}
 
 
