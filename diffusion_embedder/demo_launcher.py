@@ -7,6 +7,7 @@ package never runs ``experiments/`` itself. From a checkout the message names th
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,6 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     if root is None:
         print(NOT_A_CHECKOUT.format(package=Path(__file__).resolve().parent), file=sys.stderr)
     else:
-        args = " ".join(argv) or "--output_dir runs/demo"
+        args = shlex.join(argv) or "--output_dir runs/demo"
         print(IN_A_CHECKOUT.format(root=root, script=root / "experiments" / "demo.py", args=args), file=sys.stderr)
     return 1

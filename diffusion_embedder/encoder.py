@@ -220,8 +220,13 @@ class Encoder(nn.Module):
                 embed_mask[row, width - tok.span :] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
 
-    def _collate_packed(self, batch: Sequence[Tokenized], pack_length: int) -> dict[str, torch.Tensor]:
-        return packing_mod.pack([(t.input_ids, t.span) for t in batch], pack_length, self.tokenizer.pad_token_id)
+    def _collate_packed(
+        self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Packed rows of ``pack_length``; ``bounded``: row count padded to a power of two (``packing.pack``)."""
+        return packing_mod.pack(
+            [(t.input_ids, t.span) for t in batch], pack_length, self.tokenizer.pad_token_id, bounded
+        )
 
     def tokenize(
         self, inputs: Sequence[str | Sequence[str]], *, pack_length: int | None = None
@@ -325,8 +330,10 @@ class Encoder(nn.Module):
         Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
         (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
         the benchmark showed it faster) texts are instead packed without padding into rows as wide
-        as the longest text (at most ``packing.MAX_ROW_LENGTH``), ``batch_size`` rows per forward
-        (or as many as fit ``max_tokens_per_batch``); the embeddings are the same.
+        as the longest text of each tokenization step (at most ``packing.MAX_ROW_LENGTH``), ``batch_size``
+        rows per forward (or as many as fit ``max_tokens_per_batch``); on CUDA widths and row counts are
+        rounded to powers of two (``packing.BOUNDED_SHAPES``) so compiled attention sees few shapes. The
+        embeddings are the same.
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
         (done automatically when several GPUs are visible); ``pool`` (from ``start_multi_process_pool``)
         runs them on that pool's workers instead. ``chunk_size`` is accepted for sentence-transformers'

@@ -143,13 +143,8 @@ def make_batches(
         if bounded:  # full forwards then have exactly ``rows`` rows, the last of a step a power of two
             rows = packing_mod.next_power_of_two(rows + 1) // 2
         batches = packing_mod.plan_batches(lengths, width, rows)
-        pad = encoder.tokenizer.pad_token_id
-        return batches, functools.partial(_collate_packed, width=width, pad_token_id=pad, bounded=bounded)
+        return batches, functools.partial(encoder._collate_packed, pack_length=width, bounded=bounded)
     return length_batches(lengths, plan.batch_size, plan.max_tokens_per_batch), encoder._collate
-
-
-def _collate_packed(batch: list[Tokenized], width: int, pad_token_id: int, bounded: bool) -> dict[str, torch.Tensor]:
-    return packing_mod.pack([(t.input_ids, t.span) for t in batch], width, pad_token_id, bounded)
 
 
 #: The producer tokenizes the inputs in steps: the first of at most ``FIRST_STEP`` texts, so the device

@@ -202,7 +202,7 @@ def _plain_rows(calls, items, budget, doc_max_length, readout, tokenizer) -> tup
     keep = room if doc_max_length is None else min(room, doc_max_length)
     rows, truncated = [], 0
     for ids, longer in calls.first_ids([it.text for it in items], keep):
-        if longer and keep == room:  # past doc_max_length (when smaller) is a documented cut, not a warning
+        if longer and (doc_max_length is None or doc_max_length > room):  # a doc_max_length cut is documented
             truncated += 1
         row = head + ids + tail or [placeholder_token(tokenizer)]  # no tokens at all: documented stand-in
         rows.append(Tokenized(row + readout, len(readout) or min(len(ids), len(row))))

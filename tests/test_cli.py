@@ -38,3 +38,5 @@ def test_demo_command_names_the_checkout_script_and_runs_nothing(tmp_path, monke
     err = capsys.readouterr().err
     assert "make demo" in err and "experiments/demo.py --output_dir out" in err, err
     assert not (tmp_path / "out").exists()
+    cli.main(["demo", "--output_dir", "my runs"])  # the printed command keeps an argument with a space whole
+    assert "experiments/demo.py --output_dir 'my runs'" in capsys.readouterr().err

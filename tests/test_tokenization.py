@@ -206,6 +206,20 @@ def test_truncation_warning_counts_cut_texts_once(tokenizer, caplog):
     assert messages == ["2 of 4 texts were longer than max_length=32 tokens and were truncated on the text side."]
 
 
+def test_a_cut_to_doc_max_length_that_fills_the_row_is_not_a_truncation_warning(tokenizer, caplog):
+    """doc_max_length equal to the room max_length leaves beside the special tokens is the documented document cut;
+    only a row that max_length itself cuts is warned about."""
+    config = EncoderConfig().replace(max_length=32)
+    room = 32 - (len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"]))
+    items = parse_inputs(["word " * 100])
+    for doc_max_length, warned in ((room, False), (room + 1, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            rows = tokenize_items(tokenizer, config, [], items, doc_max_length)
+        assert len(rows[0].input_ids) == 32
+        assert any("were truncated" in r.getMessage() for r in caplog.records) is warned, doc_max_length
+
+
 def test_instruction_alone_too_long_names_the_input(tokenizer):
     config = EncoderConfig().replace(max_length=16)
     items = parse_inputs(["fine", ["word " * 50, ""]])
