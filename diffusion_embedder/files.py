@@ -2,7 +2,7 @@
 
 Every settings file the package reads (``config.json``, ``encoder_config.json``, training configs,
 ``task.json``, instruction maps...) goes through ``read_json_object``, so a broken file is always
-named the same way: ``path:line: not valid JSON (...)``. Every data file (JSONL, plain text, gzipped
+named the same way: ``path:line: not valid JSON (...)``. Every JSONL and plain-text data file (gzipped
 or not) is read line by line through ``iter_lines``, so a damaged gzip, UTF-16 or invalid UTF-8 is
 named the same way too: ``path:line: what is wrong; how to fix it``.
 """

@@ -196,9 +196,11 @@ HUB_READERS = {
 
 
 @pytest.mark.parametrize("reader", HUB_READERS)
-def test_uncached_hub_dataset_offline_is_refused_in_our_words(monkeypatch, reader):
+def test_uncached_hub_dataset_offline_is_refused_in_our_words(monkeypatch, reader, tmp_path):
     import datasets
 
+    (tmp_path / "text").mkdir()  # Wiki1M loads the "text" builder: a folder of that name is not its data
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     read, named, local = HUB_READERS[reader]
     with pytest.raises(DatasetUnavailableError) as caught:
@@ -267,3 +269,14 @@ def test_mntp_stage_with_an_uncached_hub_dataset_offline(tmp_path, monkeypatch, 
     assert cli.main(argv) == 2
     assert "dataset_name 'nobody/not-cached' is not in the local datasets" in caplog.text
     assert not out.exists() or not any(out.rglob("*"))
+
+
+def test_the_exception_chain_walk_ends_on_a_cycle():
+    """msmarco took the innermost exception with a walk that looped forever on ``raise e from e``-style cycles."""
+    from diffusion_embedder.data.hub import error_chain
+
+    outer, inner = ValueError("outer"), OSError("inner")
+    outer.__cause__, inner.__context__ = inner, outer
+    assert list(error_chain(outer)) == [outer, inner]
+    *_, innermost = error_chain(outer)
+    assert innermost is inner

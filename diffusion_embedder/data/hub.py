@@ -9,6 +9,7 @@ the cause.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 #: Exception class names that mean "the hub could not be reached" (datasets, huggingface_hub, httpx).
 _UNREACHABLE = ("Connect", "Timeout", "Offline", "LocalEntryNotFound")
@@ -25,14 +26,18 @@ def hub_offline() -> bool:
     return bool(config.HF_HUB_OFFLINE)
 
 
-def _unreachable(error: BaseException | None) -> bool:
+def error_chain(error: BaseException | None) -> Iterator[BaseException]:
+    """``error``, then its cause (or context), and so on; each exception once, so a cycle ends the walk."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, ConnectionError | TimeoutError) or any(w in type(error).__name__ for w in _UNREACHABLE):
-            return True
+        yield error
         error = error.__cause__ or error.__context__
-    return False
+
+
+def _unreachable(error: BaseException | None) -> bool:
+    return any(isinstance(e, ConnectionError | TimeoutError) or any(w in type(e).__name__ for w in _UNREACHABLE)
+               for e in error_chain(error))
 
 
 def load_with_datasets(named: str, *args, local: str, **kwargs):
@@ -44,7 +49,8 @@ def load_with_datasets(named: str, *args, local: str, **kwargs):
     try:
         return load_dataset(*args, **kwargs)
     except Exception as e:
-        if os.path.exists(args[0]) or not (hub_offline() or _unreachable(e)):
+        source = kwargs.get("data_files") or args[0]  # a builder name ("text") with data_files names no local data
+        if (isinstance(source, str) and os.path.exists(source)) or not (hub_offline() or _unreachable(e)):
             why = f"could not be loaded through datasets ({type(e).__name__}: {e}). Check it,"
         elif hub_offline():
             why = (

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from diffusion_embedder.files import check_file
 
-from .hub import load_with_datasets
+from .hub import error_chain, load_with_datasets
 from .jsonl import DataFormatError, Field, RecordError, iter_jsonl_lines, load_records
 from .sample import ContrastiveDataset, TrainSample, train_instruction
 
@@ -71,12 +71,6 @@ def _first_bad_line(path: str, parse: bool) -> str | None:
     return None
 
 
-def _innermost(error: BaseException) -> BaseException:
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    return error
-
-
 def load_hub_or_local(path: str | os.PathLike, split: str):
     """``datasets.load_dataset`` on a hub name, a data folder, or one parquet/json/jsonl/csv file; a file
     that cannot be read is a ``DataFormatError`` naming it (and its first line that is not UTF-8 text, or
@@ -92,7 +86,7 @@ def load_hub_or_local(path: str | os.PathLike, split: str):
             return load_dataset(_FILE_BUILDERS[suffix], data_files={split: path}, split=split)
         except Exception as e:
             found = None if suffix == ".parquet" else _first_bad_line(path, parse=suffix == ".jsonl")
-            cause = _innermost(e)
+            *_, cause = error_chain(e)  # the innermost exception
             why = found or f"{path}: cannot be read as a {suffix[1:]} file ({type(cause).__name__}: {cause})"
             raise DataFormatError(why) from e
     if not os.path.isdir(path) and _looks_local(path):

@@ -19,8 +19,6 @@ from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.sharding import CHUNK_SIZE
 from diffusion_embedder.files import parse_json_object
 
-#: Encoder settings the command line may override (an override is an ablation for ``eval``).
-
 
 def option(default=None, help: str | None = None, **cli):
     """A command-line option: its default and help; ``cli`` may add ``choices``, or ``flag`` for a

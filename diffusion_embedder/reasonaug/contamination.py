@@ -116,7 +116,7 @@ def load_benchmark_queries(source: str | Path, field_name: str = "query") -> lis
             raise ValueError(f"{path}: expected a JSON list of strings")
     else:
         with open_text(path) as f:
-            out = [line.rstrip("\n") for line in f if line.strip()]
+            out = [line for line in f if line.strip()]
     if not any(q.strip() for q in out):
         raise ValueError(f"{path}: no benchmark queries; an empty benchmark would pass every query as clean")
     return out
