@@ -161,3 +161,19 @@ def read_jsonl(
     return load_records(
         iter_jsonl_lines(path, what), fields, convert, source=str(path), skip_bad_lines=skip_bad_lines, limit=limit
     )
+
+
+def read_jsonl_rows(path: str | os.PathLike, fields: Iterable[Field], id_key: str | None = None) -> list[dict]:
+    """Validated records of a JSONL file; an empty file, or a value of ``id_key`` repeated (compared as text),
+    is a ``file:line`` error too (a BEIR corpus, queries, an encode corpus)."""
+    numbered, _ = read_jsonl(path, fields, lambda record, index: (index + 1, record))
+    if not numbered:
+        raise DataFormatError(f"{path}: no records (the file is empty).")
+    if id_key is not None:
+        first_line: dict[str, int] = {}
+        for line, row in numbered:
+            key = str(row[id_key])
+            if key in first_line:
+                raise DataFormatError(f"{path}:{line}: duplicate {id_key} {key!r} (first on line {first_line[key]}).")
+            first_line[key] = line
+    return [row for _, row in numbered]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diffusion_embedder import __version__, distributed
-from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
+from diffusion_embedder.data.jsonl import Field, read_jsonl_rows
 from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
     ModelOptions,
@@ -120,16 +120,9 @@ def read_corpus_file(path: str, id_field: str = "_id", text_field: str = "text",
     fields = [Field(id_field, "int|str"), Field(text_field)]
     if title_field:
         fields.append(Field(title_field, required=False, nullable=True))
-    rows, _ = read_jsonl(path, fields, lambda record, index: (
-        index + 1, str(record[id_field]), document_text(record.get(title_field) if title_field else None,
-                                                        record[text_field])))
-    if not rows:
-        raise DataFormatError(f"{path}: no records (the file is empty).")
-    seen: dict[str, int] = {}
-    for line, doc_id, _ in rows:
-        if seen.setdefault(doc_id, line) != line:
-            raise DataFormatError(f"{path}:{line}: duplicate {id_field} {doc_id!r} (first on line {seen[doc_id]}).")
-    return Corpus(os.path.abspath(path), [doc_id for _, doc_id, _ in rows], [text for _, _, text in rows])
+    rows = read_jsonl_rows(path, fields, id_field)
+    return Corpus(os.path.abspath(path), [str(r[id_field]) for r in rows],
+                  [document_text(r.get(title_field) if title_field else None, r[text_field]) for r in rows])
 
 
 def read_task_corpus(name: str, split: str | None = None, subset: str | None = None,

@@ -25,7 +25,7 @@ from mteb.abstasks import AbsTaskRetrieval
 from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
 from mteb.abstasks.task_metadata import TaskMetadata
 
-from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl
+from diffusion_embedder.data.jsonl import DataFormatError, Field, read_jsonl_rows
 from diffusion_embedder.files import read_json_object
 
 logger = logging.getLogger(__name__)
@@ -44,17 +44,7 @@ def _read_rows(path: str, fields: tuple[Field, ...], id_key: str | None = None) 
     """Validated rows of a JSONL file: an empty file or a repeated id is a ``file:line`` error too."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Missing {path}.")
-    numbered, _ = read_jsonl(path, fields, lambda record, index: (index + 1, record))
-    if not numbered:
-        raise DataFormatError(f"{path}: no records (the file is empty).")
-    if id_key is not None:
-        first_line: dict[str, int] = {}
-        for line, row in numbered:
-            key = str(row[id_key])
-            if key in first_line:
-                raise DataFormatError(f"{path}:{line}: duplicate {id_key} {key!r} (first on line {first_line[key]}).")
-            first_line[key] = line
-    return [row for _, row in numbered]
+    return read_jsonl_rows(path, fields, id_key)
 
 
 def read_task_config(folder: str) -> dict:
