@@ -36,8 +36,6 @@ TOKENIZER = REPO / "tests" / "fixtures" / "llm2vec_parity" / "llama"
 CORPUS = REPO / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
 #: Dense bf16 peaks (TFLOP/s) by device name fragment, for MFU.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-TINY = ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1024))
 #: (texts, shortest, longest tokens, max_length of the call, HF loop batch size) per set; the dry run's are tiny.
 #: Texts of n tokens make rows of n + 1 (the BOS), so the long sets end one token short of max_length.
 SETS = {"mixed": (768, 64, 512, 512, 32), "cut": (384, 1024, 2048, 512, 32), "long": (64, 1024, 4095, 4096, 8),
@@ -108,10 +106,10 @@ def worker(shape: str, dry_run: bool, results: Path, deadline: float) -> None:
 
     import torch
 
-    from diffusion_embedder.random_models import SHAPES_7B, random_encoder
+    from diffusion_embedder.random_models import SHAPES_7B, TINY_SHAPE, random_encoder
 
     device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
-    model_type, dims = TINY if dry_run else SHAPES_7B[shape]
+    model_type, dims = TINY_SHAPE if dry_run else SHAPES_7B[shape]
     encoder = random_encoder(model_type, dims, TOKENIZER, device=device, dtype=dtype, attn="sdpa")
     plain_tokenizer = copy.deepcopy(encoder.tokenizer)
     plain_tokenizer.padding_side = "right"

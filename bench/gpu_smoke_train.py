@@ -42,12 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DREAM_FIXTURE = REPO / "tests" / "fixtures" / "dream_reference"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
-#: Qwen2.5-1.5B's shape (Dream-7B's family) and a tiny one for the CPU dry run.
+#: Qwen2.5-1.5B's shape (Dream-7B's family); the CPU dry run takes ``random_models.TINY_SHAPE``.
 SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=1024),
 }  # fmt: skip
 OPTIONAL = ("datasets", "mteb", "bm25s", "flash_attn")
 
@@ -119,8 +117,10 @@ def make_checkpoint(folder: Path, plan: Plan, device: str) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from diffusion_embedder.random_models import TINY_SHAPE
+
     start = time.perf_counter()
-    dims = SHAPES[plan.shape]
+    dims = {**SHAPES, "tiny": TINY_SHAPE[1]}[plan.shape]
     config = AutoConfig.for_model("qwen2", **dims, max_position_embeddings=32768, tie_word_embeddings=False)
     torch.manual_seed(0)
     dtype = getattr(torch, plan.dtype or "float32")

@@ -14,6 +14,9 @@ SHAPES_7B: dict[str, tuple[str, dict[str, int]]] = {
     "llada-8b": ("llama", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=32, vocab_size=126464)),
 }  # fmt: skip
+#: A tiny model of the same family, for the GPU scripts' CPU dry runs.
+TINY_SHAPE: tuple[str, dict[str, int]] = ("qwen2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=1024))
 
 
 def random_encoder(

@@ -99,7 +99,7 @@ class RunTrainer(Trainer):
             self.add_callback(ShardingCheck(self))
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's, then FSDP2 in force as the config asked, on CPU too (``sharding.enable``)."""
+        """The Trainer's, then FSDP2 in force as the config asked, on CPU too (``fsdp.enable``)."""
         super().create_accelerator_and_postprocess()
         enable(self)
 
