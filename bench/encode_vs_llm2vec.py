@@ -89,6 +89,7 @@ def run_llm2vec(work: Path, threads: int, batch_size: int) -> dict:
 
 def run_hf_loop(work: Path, threads: int, batch_size: int) -> dict:
     import torch
+    from gpu_bench import hf_loop  # bench/ is this worker's script folder
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel
 
@@ -105,17 +106,7 @@ def run_hf_loop(work: Path, threads: int, batch_size: int) -> dict:
     cut = SETTINGS["doc_max_length"] + 1
 
     def loop(batch_texts):
-        order = sorted(range(len(batch_texts)), key=lambda i: -len(batch_texts[i]))
-        out = torch.empty((len(batch_texts), MODEL["hidden_size"]))
-        with torch.inference_mode():
-            for start in range(0, len(order), batch_size):
-                batch = order[start : start + batch_size]
-                features = tokenizer([batch_texts[i] for i in batch], padding=True, truncation=True, max_length=cut,
-                                     return_tensors="pt")
-                hidden = model(**features).last_hidden_state
-                mask = features["attention_mask"].unsqueeze(-1).float()
-                out[batch] = (hidden * mask).sum(1) / mask.sum(1)
-        return out
+        return hf_loop(model, tokenizer, batch_texts, batch_size, cut, "cpu")
 
     tokens = sum(min(len(ids), cut) for ids in tokenizer(texts)["input_ids"])
     loop(texts[:8])  # warm-up
