@@ -43,7 +43,7 @@ def default_text(f: dataclasses.Field) -> str:
     return "required"
 
 
-def fields_help(classes: typing.Iterable[type], choices: dict[str, tuple] | None = None) -> str:
+def fields_help(classes: typing.Iterable[type]) -> str:
     """One line per dataclass field: ``--name TYPE (default: ...; one of ...) help``."""
     lines = []
     for cls in classes:
@@ -51,7 +51,7 @@ def fields_help(classes: typing.Iterable[type], choices: dict[str, tuple] | None
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = default_text(f)
-            allowed = (choices or {}).get(f.name) or f.metadata.get("choices")
+            allowed = f.metadata.get("choices")
             listed = f"; one of {', '.join(map(str, allowed))}" if allowed else ""
             type_name = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
             lines.append(f"  --{f.name} {type_name} (default: {default}{listed})  {f.metadata.get('help', '')}")

@@ -272,7 +272,7 @@ def test_help_of_every_subcommand_lists_every_option_with_default_and_choices(ca
 
 
 def test_train_help_lists_every_config_field_with_default_and_choices(capsys):
-    from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, CHOICES
+    from diffusion_embedder.training.arguments import ARGUMENT_CLASSES
 
     text = _help(["train", "--help"], capsys)
     assert text.startswith("usage: diffusion-embedder train CONFIG.json")
@@ -284,7 +284,7 @@ def test_train_help_lists_every_config_field_with_default_and_choices(capsys):
                 repr(f.default) if f.default is not dataclasses.MISSING else repr(f.default_factory())
             )
             assert f"(default: {default}" in line, line
-            for choice in CHOICES.get(f.name, ()):
+            for choice in f.metadata.get("choices") or ():
                 assert str(choice) in line, line
     assert "--prompt_template" in lines and "--max_length" in lines  # EncoderConfig's fields are there
 

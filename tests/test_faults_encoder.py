@@ -5,6 +5,7 @@ Each case runs for every backbone family (Dream included), on the tiny checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -195,9 +196,10 @@ def test_torch_dtype_names_reach_the_weights(family_checkpoint):
 
 def test_eval_and_training_use_the_same_dtype_names(capsys):
     from diffusion_embedder.evaluation.run import build_parser
-    from diffusion_embedder.training.arguments import CHOICES
+    from diffusion_embedder.training.arguments import ModelArguments
 
-    assert CHOICES["torch_dtype"] == (None, *TORCH_DTYPES)
+    dtype = next(f for f in dataclasses.fields(ModelArguments) if f.name == "torch_dtype")
+    assert dtype.metadata["choices"] == (None, *TORCH_DTYPES)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--base_model_name_or_path", "m", "--torch_dtype", "fp16"])
     assert "invalid choice: 'fp16'" in capsys.readouterr().err

@@ -31,7 +31,6 @@ from diffusion_embedder.training.schema import (
     StageSchema,
     default_of,
     field_aliases,
-    field_choices,
     field_table,
 )
 
@@ -183,8 +182,6 @@ class CustomArguments(RunArguments, LoraArguments):
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
 SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules,))
-#: The allowed values of every supervised field with fixed choices (read from the fields' metadata).
-CHOICES = field_choices(ARGUMENT_CLASSES[:3])
 
 
 @dataclass

@@ -167,12 +167,6 @@ def field_aliases(classes: tuple[type, ...]) -> dict[str, str]:
     return {**aliases, **renames}
 
 
-def field_choices(classes: tuple[type, ...]) -> dict[str, tuple]:
-    """``field -> allowed values`` of every field of ``classes`` with fixed choices."""
-    table = field_table(classes)
-    return {name: f.metadata["choices"] for name, (_, f, _) in table.items() if f.metadata.get("choices")}
-
-
 def default_of(f: dataclasses.Field) -> Any:
     """A field's default (an enum as its value), or None for a required field."""
     if f.default is not dataclasses.MISSING:
