@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 from diffusion_embedder import outputs
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig
-from diffusion_embedder.cpu_linear import onednn_linear
 from diffusion_embedder.devices import check_device
 from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
@@ -260,27 +259,18 @@ class _Outputs:
 
 def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> torch.Tensor:
     """(n, d) float32 embeddings on the CPU, in input order, on one device; the batches are made ahead in a thread."""
-    if device is not None and torch.device(device) != encoder.device:
-        encoder.to(device)
-    target = encoder.device
-    gathered = _Outputs(len(items), encoder.embedding_dim)
-    was_training = encoder.training
-    encoder.eval()
-    batches = planned_batches(encoder, items, config, plan, pin=target.type == "cuda")
-    try:
+    gathered = _Outputs(len(items), encoder.embedding_dim)  # made and returned outside inference mode: the caller
+    with outputs.inference_on(encoder, device) as target:  # gets ordinary tensors, as before
+        batches = planned_batches(encoder, items, config, plan, pin=target.type == "cuda")
         with (
             Prefetcher(batches, depth=4) as ahead,
-            torch.inference_mode(),
-            onednn_linear(encoder.model, target),
             tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar,
         ):
             for indices, features in ahead:
                 features = {k: v.to(target, non_blocking=True) for k, v in features.items()}
                 gathered.add(indices, encoder(features).float())
                 bar.update(len(indices))
-        return gathered.flush()
-    finally:
-        encoder.train(was_training)
+    return gathered.flush()
 
 
 def own_pool(encoder, devices: Sequence[str]):

@@ -12,6 +12,9 @@ The rows are computed on padded batches (never packed) by ``batch_rows``, in thi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from tqdm.auto import tqdm
 
@@ -62,17 +65,25 @@ def run_rows(encoder, tokenized, batches, device, pool, show_progress_bar: bool)
     return rows
 
 
-def _run_here(encoder, featured, device):
+@contextlib.contextmanager
+def inference_on(encoder, device) -> Iterator[torch.device]:
+    """``encoder`` on ``device`` (moved there if given and elsewhere), in eval and inference mode with oneDNN linear
+    layers on CPU; yields the device it runs on, and restores its training mode after (what every encode path does)."""
     if device is not None and torch.device(device) != encoder.device:
         encoder.to(device)
     was_training = encoder.training
     encoder.eval()
     try:
         with torch.inference_mode(), onednn_linear(encoder.model, encoder.device):
-            for index, features in enumerate(featured):
-                yield index, batch_rows(encoder, {k: v.to(encoder.device) for k, v in features.items()})
+            yield encoder.device
     finally:
         encoder.train(was_training)
+
+
+def _run_here(encoder, featured, device):
+    with inference_on(encoder, device) as target:
+        for index, features in enumerate(featured):
+            yield index, batch_rows(encoder, {k: v.to(target) for k, v in features.items()})
 
 
 def select(rows: list[dict[str, torch.Tensor]], output_value, truncate_dim: int | None, single: bool):

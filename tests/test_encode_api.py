@@ -214,3 +214,11 @@ def test_multi_process_pool_api(stock_pair):
         plain.stop_multi_process_pool(pool)
     with pytest.raises(ValueError, match="this pool was stopped"):
         encode(plain, TEXTS, pool=pool)
+
+
+def test_embeddings_are_ordinary_tensors_the_caller_may_change_in_place(encoder):
+    """The forwards run in inference mode; what ``encode`` returns must not be an inference tensor (an in-place
+    change of one outside inference mode raises)."""
+    embeddings = encoder.encode(["a b c", "d e"] * 10, batch_size=4, convert_to_tensor=True)
+    assert not embeddings.is_inference()
+    embeddings += 1
