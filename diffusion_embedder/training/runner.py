@@ -93,7 +93,8 @@ def resolve_resume(
                 "use 'last' to pick the newest complete one."
             )
     validate_checkpoint(path, world_size)
-    differences = config_differences(read_config(path), config, classes=classes)
+    changed = config_differences(read_config(path), config, ignore=(), classes=classes)
+    differences = {key: values for key, values in changed.items() if key not in RESUME_MAY_DIFFER}
     if differences:
         listed = "; ".join(f"{key}: {old!r} there, {new!r} now" for key, (old, new) in differences.items())
         raise CheckpointError(
@@ -101,7 +102,6 @@ def resolve_resume(
             f"(these may change on resume: {', '.join(sorted(RESUME_MAY_DIFFER))}), or start the new run under "
             "another output_dir or experiment_id."
         )
-    changed = config_differences(read_config(path), config, ignore=(), classes=classes)
     if changed:
         logger.info("Resuming %s with changed settings: %s", path, {k: v[1] for k, v in changed.items()})
     return path
