@@ -276,6 +276,13 @@ def load_backbone(
 
     ``torch_dtype=None`` loads float32 (predictable on CPU); pass ``torch.bfloat16`` or ``"auto"`` on GPU.
     Extra ``kwargs`` go to ``from_pretrained`` (``revision``, ``token``, ``attention_dropout``...).
+
+    :param name_or_path: hub name or folder of a supported model type.
+    :param enable_bidirectional: set ``config.is_causal = False`` (checked by the attention self-test).
+    :param torch_dtype: as for ``Encoder.from_pretrained``.
+    :param attn_implementation: transformers' attention kernel; None: its default for the model type.
+    :param device_map: accelerate's device map, passed to ``from_pretrained``.
+    :param lm_head: load the ``*ForCausalLM`` model (the LM stages).
     """
     if kwargs.get("trust_remote_code"):
         raise ValueError("trust_remote_code is never used: every supported backbone runs on transformers' own code.")

@@ -65,8 +65,10 @@ class Encoder(nn.Module):
         latent: LatentAttentionPooling | None = None,
         **settings,
     ):
-        """LLM2Vec's positional order, ``LLM2Vec(model, tokenizer, "mean", 512, 400, True)``; ``config`` (an
-        ``EncoderConfig``, also accepted third and alone) holds every setting, which keyword settings replace."""
+        """LLM2Vec's order, ``LLM2Vec(model, tokenizer, "mean", 512, 400, True)``: the backbone ``model``, its
+        ``tokenizer``, ``pooling_mode``, ``max_length``, ``doc_max_length``, ``skip_instruction``. ``config`` (an
+        ``EncoderConfig``, also accepted third and alone) holds every setting, which keyword settings replace;
+        ``latent`` is a trained latent-attention head (built fresh when None)."""
         super().__init__()
         if isinstance(pooling_mode, EncoderConfig):
             if config is not None or (max_length, doc_max_length, skip_instruction) != (None, None, None):
@@ -134,27 +136,25 @@ class Encoder(nn.Module):
         similarity_fn_name: str | None = None,
         **kwargs,
     ) -> Encoder:
-        """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder.
+        """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder (``base_model_name_or_path``), with an
+        adapter on top (``peft_model_name_or_path``; ``merge_peft`` merges it, else it stays a ``PeftModel``).
 
+        ``enable_bidirectional``, ``pooling_mode``, ``max_length``, ``doc_max_length``, ``skip_instruction``,
+        ``prompt_template``, ``mask_readout_tokens``, ``prompts``, ``similarity_fn_name``: the ``EncoderConfig``
+        settings of those names (None: not given). ``torch_dtype`` (a dtype or ``auto``, ``bfloat16``, ``float16``,
+        ``float32``; None: float32), ``attn_implementation`` and ``device`` say how the backbone loads.
         Settings are resolved once by ``config.resolve_config``, in increasing priority: the defaults,
         the checkpoint's ``llm2vec_config.json`` and ``encoder_config.json`` (read from the PEFT folder
         when one is given, as LLM2Vec does), LLM2Vec's settings for known checkpoint names (not for
         our encoder folders, which saved them), then the explicit arguments; the result is immutable.
-        An adapter stored inside the base folder (LLM2Vec's MNTP repos) is
-        merged first. ``kwargs`` naming another ``EncoderConfig`` setting set it; other ``kwargs``
-        (``device_map``, ``revision``, ``attention_dropout``...) go to the backbone's ``from_pretrained``.
+        An adapter stored inside the base folder (LLM2Vec's MNTP repos) is merged first. ``kwargs`` naming
+        another setting set it; others (``device_map``, ``revision``...) go to the backbone's ``from_pretrained``.
         """
-        explicit = {
-            "enable_bidirectional": enable_bidirectional,
-            "pooling_mode": pooling_mode,
-            "max_length": max_length,
-            "doc_max_length": doc_max_length,
-            "skip_instruction": skip_instruction,
-            "prompt_template": prompt_template,
-            "mask_readout_tokens": mask_readout_tokens,
-            "prompts": prompts,
-            "similarity_fn_name": similarity_fn_name,
-        }
+        explicit = dict(
+            enable_bidirectional=enable_bidirectional, pooling_mode=pooling_mode, max_length=max_length,
+            doc_max_length=doc_max_length, skip_instruction=skip_instruction, prompt_template=prompt_template,
+            mask_readout_tokens=mask_readout_tokens, prompts=prompts, similarity_fn_name=similarity_fn_name,
+        )
         return loading.from_pretrained(
             cls, base_model_name_or_path, peft_model_name_or_path, merge_peft, explicit, torch_dtype,
             attn_implementation, device, kwargs,
@@ -231,7 +231,8 @@ class Encoder(nn.Module):
     def tokenize(
         self, inputs: Sequence[str | Sequence[str]], *, pack_length: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """Strings or ``[instruction, text]`` pairs to padded ``input_ids``, ``attention_mask`` and ``embed_mask``.
+        """``inputs`` (strings or ``[instruction, text]`` pairs) to padded ``input_ids``, ``attention_mask``,
+        ``embed_mask``.
 
         This is the training path: texts are cut only at ``max_length`` (as upstream training did, and
         logged at debug level rather than once per batch); ``encode`` also applies ``doc_max_length``.
@@ -243,7 +244,7 @@ class Encoder(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Pooled embeddings (B, d) for a ``tokenize`` output, padded or packed; differentiable."""
+        """Pooled embeddings (B, d) for ``features``, a ``tokenize`` output, padded or packed; differentiable."""
         return self.get_pooling(features, self._hidden_states(features))
 
     def _hidden_states(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -311,7 +312,8 @@ class Encoder(nn.Module):
         doc_max_length: int | None = None,
         packing: str | bool = "auto",
     ) -> torch.Tensor | np.ndarray | list:
-        """Embed strings or ``[instruction, text]`` pairs, in input order.
+        """Embed ``sentences`` (strings or ``[instruction, text]`` pairs), in input order (``show_progress_bar``;
+        ``convert_to_tensor`` is accepted for sentence-transformers' signature: a tensor is the default).
 
         Returns a float32 CPU ``torch.Tensor`` (LLM2Vec's default and dtype, whatever the model's dtype; a
         numpy array with ``convert_to_numpy``); a single string gives a 1-D vector. ``prompt`` (or
@@ -320,13 +322,10 @@ class Encoder(nn.Module):
         sentence-transformers: the first ``truncate_dim`` dimensions are kept (default ``self.truncate_dim``),
         vectors are L2-normalized with ``normalize_embeddings``, and ``precision`` (int8, uint8, binary,
         ubinary; None is float32) quantizes them with buckets from this call's embeddings.
-        ``output_value="token_embeddings"`` returns each input's token states instead (a list of (n_i, d)
-        float32 tensors, padding removed), ``None`` a dict per input with every output
-        (``diffusion_embedder.outputs``).
-
-        The positional arguments are LLM2Vec's, in its order; newer ones are keyword-only.
-        ``max_length`` / ``doc_max_length`` override the encoder's for this call only.
-
+        ``output_value="token_embeddings"`` (default ``sentence_embedding``) returns each input's token states
+        instead (a list of (n_i, d) float32 tensors, padding removed), ``None`` a dict per input with every output
+        (``diffusion_embedder.outputs``). The positional arguments are LLM2Vec's, in its order; newer ones are
+        keyword-only. ``max_length`` / ``doc_max_length`` override the encoder's for this call only.
         Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
         (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
         the benchmark showed it faster) texts are instead packed without padding into rows as wide
@@ -348,15 +347,15 @@ class Encoder(nn.Module):
         )
 
     def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
-        """``encode`` with the ``query`` prompt (when the encoder has one and no other prompt is given)."""
+        """``encode(sentences, ...)`` with the ``query`` prompt (when the encoder has one and no other is given)."""
         return self.encode(sentences, *args, **inference.role_kwargs("query", self.config.prompts, kwargs))
 
     def encode_document(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
-        """``encode`` with the ``document`` prompt (when the encoder has one and no other prompt is given)."""
+        """``encode(sentences, ...)`` with the ``document`` prompt (when the encoder has one and no other is given)."""
         return self.encode(sentences, *args, **inference.role_kwargs("document", self.config.prompts, kwargs))
 
     def similarity(self, embeddings1, embeddings2) -> torch.Tensor:
-        """(n x m) scores between two sets of embeddings with ``config.similarity_fn_name``."""
+        """(n x m) scores of ``embeddings1`` (n, d) against ``embeddings2`` (m, d): ``config.similarity_fn_name``."""
         return SIMILARITY_FUNCTIONS[self.config.similarity_fn_name](embeddings1, embeddings2)
 
     @property
@@ -381,7 +380,7 @@ class Encoder(nn.Module):
         self._set_config(self.config.replace(max_length=value))
 
     def start_pool(self, devices: Sequence[str]) -> None:
-        """Start one persistent worker per device; later ``encode`` calls with these devices reuse them."""
+        """Start one persistent worker per device of ``devices``; later ``encode`` calls with them reuse them."""
         self.stop_pool()
         self._pool_workers = inference.start_pool(self, devices)
 
@@ -391,13 +390,13 @@ class Encoder(nn.Module):
             self._pool_workers = None
 
     def start_multi_process_pool(self, target_devices: Sequence[str] | None = None) -> DevicePool:
-        """sentence-transformers' name: a pool of workers for ``encode(..., pool=pool)``, one per device (default:
+        """sentence-transformers' name: workers for ``encode(..., pool=pool)``, one per ``target_devices`` (default:
         every CUDA device, else 4 CPU workers, as there). Stop it with ``stop_multi_process_pool``."""
         return inference.start_pool(self, inference.pool_devices(target_devices))
 
     @staticmethod
     def stop_multi_process_pool(pool: DevicePool) -> None:
-        """sentence-transformers' name: stop the workers of a ``start_multi_process_pool`` pool."""
+        """sentence-transformers' name: stop the workers of ``pool``, from ``start_multi_process_pool``."""
         pool.close()
 
     def encode_multi_process(
@@ -414,7 +413,8 @@ class Encoder(nn.Module):
         truncate_dim: int | None = None,
     ) -> np.ndarray:
         """sentence-transformers' (deprecated there) ``encode(sentences, pool=pool, convert_to_numpy=True)``, in its
-        argument order; a numpy array, as there."""
+        argument order (``sentences``, ``pool``, ``prompt_name``, ``prompt``, ``batch_size``, ``chunk_size``,
+        ``show_progress_bar``, ``precision``, ``normalize_embeddings``, ``truncate_dim``); a numpy array, as there."""
         return self.encode(
             sentences, batch_size, bool(show_progress_bar), True, prompt=prompt, prompt_name=prompt_name,
             precision=precision, normalize_embeddings=normalize_embeddings, truncate_dim=truncate_dim, pool=pool,
@@ -430,7 +430,7 @@ class Encoder(nn.Module):
     def save(
         self, output_path: str, merge_before_save: bool = False, save_config: bool = True, *, format: str = "encoder"
     ) -> None:
-        """Write an encoder folder: weights or adapter (safetensors), tokenizer, configs and a model card.
+        """Write an encoder folder at ``output_path``: weights or adapter (safetensors), tokenizer, configs, model card.
 
         LLM2Vec's signature. With ``merge_before_save`` a LoRA adapter is merged into the saved weights
         (LLM2Vec's ``save`` also swaps its model for the merged one; this encoder keeps its adapter, so its

@@ -113,6 +113,10 @@ def save_sentence_transformers(encoder: nn.Module, output_path: str, stock_only:
 
     A LoRA adapter is merged into the written weights (``save(merge_before_save=True)``; the encoder keeps
     its adapter). ``stock_only`` refuses settings that need our module.
+
+    :param encoder: the ``Encoder`` to export.
+    :param output_path: the folder to write.
+    :param stock_only: refuse instead of using ``EncoderModule``.
     """
     reasons = custom_module_reasons(encoder)
     if reasons and stock_only:

@@ -158,7 +158,11 @@ class RepllamaLoss:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A registered loss: its class and which training-config field feeds each constructor argument."""
+    """A registered loss: its class and which training-config field feeds each constructor argument.
+
+    :param loss: the loss class.
+    :param options: ``constructor argument -> training-config field``.
+    """
 
     loss: type
     options: dict[str, str] = field(default_factory=dict)
@@ -175,7 +179,11 @@ LOSSES: dict[str, LossSpec] = {
 
 
 def loss_from_config(loss_class: str, settings: object):
-    """The loss named ``loss_class`` with the options it registered, read from a config object's fields."""
+    """The loss named ``loss_class`` with the options it registered, read from a config object's fields.
+
+    :param loss_class: a key of ``LOSSES``.
+    :param settings: an object with the config's fields (e.g. ``CustomArguments``).
+    """
     if loss_class not in LOSSES:
         raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")
     spec = LOSSES[loss_class]

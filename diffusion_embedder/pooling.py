@@ -52,6 +52,10 @@ class LatentAttentionPooling(nn.Module):
 
     Residual connections make it start close to plain mean pooling, so it can be trained from a
     pretrained backbone without a cold start.
+
+    :param hidden_size: the backbone's hidden size.
+    :param num_latents: rows of the latent array.
+    :param num_heads: attention heads (must divide ``hidden_size``).
     """
 
     def __init__(self, hidden_size: int, num_latents: int = 512, num_heads: int = 8):
@@ -67,6 +71,7 @@ class LatentAttentionPooling(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The pooled (B, d) vectors of ``hidden`` (B, L, d) over the positions ``mask`` (B, L) marks."""
         latents = self.latents.to(hidden.dtype).unsqueeze(0).expand(hidden.shape[0], -1, -1)
         attended, _ = self.cross_attention(hidden, latents, latents, need_weights=False)
         states = hidden + attended
@@ -85,6 +90,13 @@ def pool(
     """Pool ``hidden`` (B, L, d). ``pool_mask`` marks the tokens that count (the text span, or all tokens).
 
     ``mask_token`` averages the last ``readout_tokens`` positions: the mask tokens appended after the text.
+
+    :param hidden: the backbone's last hidden states.
+    :param attention_mask: (B, L), 1 for tokens, 0 for pads.
+    :param pool_mask: (B, L), the tokens that count.
+    :param mode: one of ``POOLING_MODES``.
+    :param latent: the latent-attention head (``latent_attention`` only).
+    :param readout_tokens: how many appended mask tokens ``mask_token`` averages.
     """
     check_pooling_mode(mode)
     if mode == "mask_token":

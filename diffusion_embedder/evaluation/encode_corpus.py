@@ -234,7 +234,10 @@ def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int],
 
 
 def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
-    """``(ids, float32 matrix)`` of an ``encode`` folder, in corpus order; every chunk must be complete and intact."""
+    """``(ids, float32 matrix)`` of an ``encode`` folder, in corpus order; every chunk must be complete and intact.
+
+    :param output_dir: the folder ``diffusion-embedder encode`` wrote.
+    """
     manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{os.path.join(output_dir, MANIFEST)}: format {manifest.get('format')!r}, not {FORMAT!r}")

@@ -68,6 +68,9 @@ def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any)
 
     ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
     kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
+
+    :param model_name: the name the results are stored under.
+    :param revision: the recorded revision, checked against the weights loaded now.
     """
     from diffusion_embedder.config import SETTING_NAMES
 
@@ -111,7 +114,9 @@ class MTEBEncoder(AbsEncoder):
         device: str | list[str] | None = None,
         chunk_size: int = CHUNK_SIZE,
     ):
-        """``overrides``: encoder settings set for this evaluation only (not the checkpoint's own);
+        """``encoder``: the ``Encoder``; ``name`` / ``revision``: what mteb stores the results under (default: derived
+        from the checkpoint and a hash of its weights and settings); ``extra_experiment_kwargs``: evaluation settings
+        that name an ``experiments/`` results folder; ``overrides``: encoder settings set for this evaluation only;
         ``source``: ``base_model_name_or_path`` / ``peft_model_name_or_path`` the weights were loaded from;
         ``device``: what ``Encoder.encode`` gets (None: its own choice); ``chunk_size``: see ``sharding.py``."""
         if "{query}" not in query_template or "{instruction}" not in query_template:

@@ -339,7 +339,11 @@ def plot(table: ResultTable, out_dir: str) -> list[str]:
 
 
 def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, ResultTable]:
-    """Markdown table (returned), plus ``report.md``, ``report.csv`` and the PNGs in ``out_dir``."""
+    """Markdown table (returned), plus ``report.md``, ``report.csv`` and the PNGs in ``out_dir``.
+
+    :param paths: evaluation output folders (or results folders) to put side by side.
+    :param out_dir: where to write the files; None writes nothing.
+    """
     table = load_results(paths)
     markdown = to_markdown(table)
     if out_dir:
@@ -350,7 +354,8 @@ def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, Res
     return markdown, table
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
+    """The ``report`` command line."""
     import argparse
 
     from diffusion_embedder import clihelp
@@ -366,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true",
         help="only name every result file mteb's ResultCache could not read (exit 1 if any); write nothing",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.check:
