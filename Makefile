@@ -1,8 +1,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 
-.PHONY: install test test-gpu lint demo study clean
+.PHONY: install test test-gpu lint demo study docs docs-serve clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,8 +29,20 @@ demo: $(STAMP)
 study: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) experiments/study.py --output_dir runs/study
 
+# The documentation site (Material for MkDocs): a strict build into site/ (git-ignored); a broken link, a missing
+# reference or an undocumented public parameter fails it. docs-serve rebuilds it on every edit.
+$(DOCS_STAMP): $(STAMP) requirements-docs.txt
+	$(PY) -m pip install --quiet -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 HF_HUB_OFFLINE=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 HF_HUB_OFFLINE=1 $(VENV)/bin/mkdocs serve --strict
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -155,3 +155,13 @@ def test_every_parameter_of_encode_is_documented_on_the_api_page():
     doc = inspect.getdoc(Encoder.encode)
     for name in list(inspect.signature(Encoder.encode).parameters)[1:]:
         assert f"``{name}" in doc, name
+
+
+def test_every_test_the_guarantees_page_names_exists():
+    import re
+
+    page = (ROOT / "docs" / "guarantees.md").read_text()
+    named = re.findall(r"`tests/(test_\w+\.py)::(test_\w+)`", page)
+    assert len(named) > 50
+    missing = [f"{f}::{t}" for f, t in named if not re.search(rf"^def {t}\(", (ROOT / "tests" / f).read_text(), re.M)]
+    assert not missing
