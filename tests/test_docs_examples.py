@@ -7,13 +7,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def python_blocks(page: str) -> list[str]:
-    """Every fenced ```python block of a docs page, in order."""
-    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    """Every fenced ```python block of a page (a path from the repository root), in order."""
+    text = (ROOT / page).read_text(encoding="utf-8")
     return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
@@ -40,12 +42,13 @@ def run_blocks(blocks: list[str], names: dict[str, str]) -> dict:
     return namespace
 
 
-def test_quickstart_blocks_run_as_written(monkeypatch):
-    monkeypatch.chdir(ROOT)  # the quickstart runs from a checkout
-    blocks = python_blocks("quickstart.md")
-    assert blocks, "the quickstart has no python block"
+@pytest.mark.parametrize(("page", "shape"), [("docs/quickstart.md", (1, 2)), ("README.md", (1, 1))])
+def test_quickstart_and_readme_blocks_run_as_written(monkeypatch, page, shape):
+    monkeypatch.chdir(ROOT)  # they run from a checkout
+    blocks = python_blocks(page)
+    assert blocks, f"{page} has no python block"
     namespace = run_blocks(blocks, {})
-    assert namespace["scores"].shape == (1, 2)
+    assert tuple(namespace["scores"].shape) == shape
 
 
 def test_notebook_blocks_run_with_tiny_stand_ins(tmp_path, monkeypatch):
@@ -58,7 +61,7 @@ def test_notebook_blocks_run_with_tiny_stand_ins(tmp_path, monkeypatch):
         "path/to/your/trained/adapter": lora_adapter(FIXTURES / "dream_reference", tmp_path / "dream-adapter"),
         "GSAI-ML/LLaDA-8B-Instruct": str(FIXTURES / "llada_reference"),
     }
-    blocks = python_blocks("notebook.md")
+    blocks = python_blocks("docs/notebook.md")
     text = "\n".join(blocks)
     unused = [name for name in names if f'"{name}"' not in text]
     assert not unused, f"stand-ins for names the notebook page no longer uses: {unused}"
