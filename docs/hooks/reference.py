@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import json
 import re
+import textwrap
 import typing
 from importlib import import_module
 from typing import Any
@@ -237,7 +238,8 @@ def cli_reference() -> str:
         if hasattr(module, "build_parser"):
             lines += parser_markdown(module.build_parser())
         elif command in stage_of:
-            lines += ["```", module.USAGE, "```", "",
+            usage_text = "\n".join(textwrap.fill(ln, 110, subsequent_indent="    ") for ln in module.USAGE.splitlines())
+            lines += ["```", usage_text, "```", "",
                       f"Every field of the [`{stage_of[command]}` stage's config](config.md) is also a "
                       "`--field value` override (`--flag` alone means true, `null` means None, lists as JSON).", ""]
         else:
