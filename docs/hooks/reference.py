@@ -314,3 +314,28 @@ def undocumented_parameters(identifier: str, members: list[str] | None = None) -
             if not re.search(rf"`[^`]*\b{re.escape(name)}\b[^`]*`|:param {re.escape(name)}:", doc):
                 missing.append(f"{fn.__module__}.{qualname}: {name}")
     return missing
+
+
+#: Where a page asks for the index of measured results (``results_index``), replaced at build time.
+RESULTS_MARKER = "<!-- generated: results index -->"
+
+
+def results_index(folder: Any, link_prefix: str = "results/") -> str:
+    """A table of the measured results in ``folder`` (``bench/results/*.md``): each file's title, the setting it
+    was measured in (its first ``Command (...)``, else its first sentence with a date) and every date it names."""
+    from pathlib import Path
+
+    lines = ["| results | measured on | dates |", "|---|---|---|"]
+    for path in sorted(Path(folder).glob("*.md")):
+        text = path.read_text(encoding="utf-8")
+        title = next((ln[2:].strip() for ln in text.splitlines() if ln.startswith("# ")), path.stem)
+        flat = " ".join(text.split())
+        command = re.search(r"Command \(([^)]*)\)", flat)
+        if command:
+            where = command.group(1)
+        else:
+            dated = re.search(r"[^.]*\b20\d\d-\d\d-\d\d\b[^.]*\.", flat)
+            where = dated.group(0).strip() if dated else ""
+        dates = ", ".join(sorted(set(re.findall(r"\b20\d\d-\d\d-\d\d\b", text))))
+        lines.append(f"| [{_cell(title)}]({link_prefix}{path.name}) | {_cell(where)} | {dates} |")
+    return "\n".join(lines)
