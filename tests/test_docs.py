@@ -165,3 +165,13 @@ def test_every_test_the_guarantees_page_names_exists():
     assert len(named) > 50
     missing = [f"{f}::{t}" for f, t in named if not re.search(rf"^def {t}\(", (ROOT / "tests" / f).read_text(), re.M)]
     assert not missing
+
+
+def test_the_results_index_lists_every_results_file_with_its_dates(tmp_path):
+    (tmp_path / "a.md").write_text("# Speed\n\nCommand (2 CPU cores, torch 2.13.0, 2026-01-02):\n\nlater 2026-02-03\n")
+    (tmp_path / "b.md").write_text("# GPU\n\n**Not run** on 2026-03-04, no device. More.\n")
+    index = reference.results_index(tmp_path)
+    assert "| [Speed](results/a.md) | 2 CPU cores, torch 2.13.0, 2026-01-02 | 2026-01-02, 2026-02-03 |" in index
+    assert "| [GPU](results/b.md) | Not run on 2026-03-04, no device. | 2026-03-04 |" in index
+    shipped = reference.results_index(ROOT / "bench" / "results")
+    assert all(f"](results/{p.name})" in shipped for p in (ROOT / "bench" / "results").glob("*.md"))

@@ -329,7 +329,8 @@ def results_index(folder: Any, link_prefix: str = "results/") -> str:
     for path in sorted(Path(folder).glob("*.md")):
         text = path.read_text(encoding="utf-8")
         title = next((ln[2:].strip() for ln in text.splitlines() if ln.startswith("# ")), path.stem)
-        flat = " ".join(text.split())
+        body = [ln for ln in text.splitlines() if not ln.startswith("#")]
+        flat = " ".join(" ".join(body).replace("**", "").split())
         command = re.search(r"Command \(([^)]*)\)", flat)
         if command:
             where = command.group(1)
