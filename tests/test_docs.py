@@ -115,7 +115,7 @@ def test_a_flag_added_to_a_parser_appears_with_no_other_edit(monkeypatch):
         return parser
 
     monkeypatch.setattr(run, "build_parser", with_new_flag)
-    assert "| `--brand_new_flag` | `BRAND_NEW_FLAG` | `3` |  | added by the test |" in reference.cli_reference()
+    assert "| `--brand_new_flag` | `value` | `3` |  | added by the test |" in reference.cli_reference()
 
 
 def test_the_strict_check_names_an_undocumented_parameter(monkeypatch):

@@ -41,7 +41,7 @@ class ModelOptions:
     chunk_size: int = option(
         CHUNK_SIZE, "most texts one Encoder.encode call gets: the unit a torchrun rank takes, stores and "
                     "resumes (fewer for long texts: about 1M characters at most)")
-    show_progress_bar: bool = option(True, flag="no_progress_bar")
+    show_progress_bar: bool = option(True, "hide the progress bar", flag="no_progress_bar")
 
 
 def _str2bool(value: str) -> bool:

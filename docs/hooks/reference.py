@@ -182,13 +182,13 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
             continue
         names = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest}` (positional)"
-        if action.nargs == 0:
-            value = ""
+        if action.nargs == 0:  # a switch: off until given
+            value, default = "switch", "off"
         else:
-            value = f"`{_cell(action.metavar or action.dest.upper())}`" + (
-                " ..." if action.nargs in ("+", "*", argparse.REMAINDER) else "")
-        default = "" if action.default in (None, argparse.SUPPRESS) or not action.option_strings else _code(
-            action.default)
+            kind = getattr(action.type, "__name__", None) or action.metavar or "value"
+            value = f"`{_cell(kind)}`" + (" ..." if action.nargs in ("+", "*", argparse.REMAINDER) else "")
+            default = "" if action.default in (None, argparse.SUPPRESS) or not action.option_strings else _code(
+                action.default)
         choices = ", ".join(_code(c) for c in action.choices) if action.choices else ""
         rows.append(f"| {names} | {value} | {default} | {choices} | {_cell(action.help or '')} |")
     return rows
