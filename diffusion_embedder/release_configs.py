@@ -113,7 +113,7 @@ def _llada_number(raw: dict, key: str) -> object:
 
 
 def llada_config(raw: dict) -> PretrainedConfig:
-    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the README's field map), ``mask_token_id`` kept.
+    """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the field map in docs/models.md), ``mask_token_id`` kept.
 
     A fixed setting is checked as LLaDA's own code reads it (``_llada_reading``), so ``"rope": null`` (no
     rotary embeddings there) is refused rather than loaded with them.

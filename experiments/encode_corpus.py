@@ -4,7 +4,7 @@
         --corpus data/beir_folder/corpus.jsonl --output_dir embeddings/my_corpus --batch_size 64
     torchrun --nproc_per_node 8 experiments/encode_corpus.py ...   # every rank its share
 
-Logic: diffusion_embedder.evaluation.encode_corpus (see README, "Evaluation").
+Logic: diffusion_embedder.evaluation.encode_corpus (see docs/evaluation.md).
 """
 
 import sys

@@ -3,7 +3,7 @@
     python experiments/mteb_eval_custom.py --base_model_name_or_path BASE --peft_model_name_or_path ADAPTER \
         --task_name News21InstructionRetrieval --output_dir results --batch_size 128
 
-Logic: diffusion_embedder.evaluation.run (see README, "Evaluation").
+Logic: diffusion_embedder.evaluation.run (see docs/evaluation.md).
 """
 
 import sys
