@@ -138,7 +138,7 @@ def _renames() -> tuple[tuple[str, str], ...]:
 
 def _first_sentences(text: str, limit: int = 300) -> str:
     """transformers' help runs to paragraphs: its first sentences, up to ``limit`` characters."""
-    text = " ".join(text.split())
+    text = " ".join(text.split()).replace("%%", "%")  # argparse's escape, in transformers' help
     if len(text) <= limit:
         return text
     cut = text[:limit].rsplit(". ", 1)[0]
