@@ -43,7 +43,7 @@ from diffusion_embedder.evaluation.options import (
     option,
     with_encoder_settings,
 )
-from diffusion_embedder.evaluation.results import PROVENANCE_KEYS, weights_hash
+from diffusion_embedder.evaluation.results import computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
 from diffusion_embedder.files import read_json_object
 
@@ -286,14 +286,13 @@ def _shard(args) -> tuple[int, int]:
 
 
 def _manifest(args, encoder, corpus: Corpus, chunks: list[tuple[int, int]], num_shards: int) -> dict:
-    settings = {k: v for k, v in encoder.config.to_dict().items() if k not in PROVENANCE_KEYS}
     return {
         "format": FORMAT,
         "version": __version__,
         "model": {"base_model_name_or_path": args.base_model_name_or_path,
                   "peft_model_name_or_path": args.peft_model_name_or_path,
                   "weights_sha256": weights_hash(encoder)},
-        "settings": settings,
+        "settings": computed_settings(encoder.config.to_dict()),
         "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
         "embedding_dim": encoder.embedding_dim,
         "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
