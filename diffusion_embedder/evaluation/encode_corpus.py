@@ -15,7 +15,9 @@ Chunks, not shards, are the unit on disk: they are ``sharding.plan_chunks`` over
 of processes, and process ``s`` of ``n`` (``--num_shards``/``--shard_index``, times torchrun's ranks) encodes
 chunks ``s, s + n, ...``. So any sharding writes the same files with the same vectors, and a rerun, with as
 many processes as are at hand, encodes only the chunks not yet complete and intact. A folder made for another
-model, settings, dtype or corpus is refused, naming what differs. ``load_embeddings`` reads the folder back in
+model, settings, dtype or corpus is refused, naming what differs. The model is what it computes (the hash of
+its weights, an adapter folded in, and its settings, as the results ledger defines it), not where it was loaded
+from: the same checkpoint copied to another path resumes the run. ``load_embeddings`` reads the folder back in
 corpus order and checks every chunk.
 """
 
