@@ -6,6 +6,7 @@ import argparse
 import copy
 import dataclasses
 import typing
+from collections.abc import Mapping
 
 PROG = "diffusion-embedder"
 
@@ -56,3 +57,9 @@ def fields_help(classes: typing.Iterable[type]) -> str:
             type_name = str(hints[f.name]).replace("typing.", "").replace("<class '", "").replace("'>", "")
             lines.append(f"  --{f.name} {type_name} (default: {default}{listed})  {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+def exit_status(error: BaseException, statuses: Mapping[type[BaseException], int]) -> int | None:
+    """The exit status of an error in our words: that of the first kind in ``statuses`` it is one of. The commands
+    report such an error as its message alone; None means a bug, which keeps its traceback."""
+    return next((status for kind, status in statuses.items() if isinstance(error, kind)), None)

@@ -10,6 +10,7 @@ import argparse
 
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.export import FORMATS, export
+from diffusion_embedder.files import folder_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = folder_problem(args.output, "OUTPUT")  # before loading the checkpoint, which can take minutes
+    if problem:
+        print(f"error: {problem}")
+        return 2
     from diffusion_embedder.encoder import Encoder
 
     encoder = Encoder.from_pretrained(

@@ -96,6 +96,29 @@ def check_file(path: str | os.PathLike, what: str = "file") -> None:
         raise FileNotFoundError(f"{what} not found: {os.fspath(path)}")
 
 
+def folder_problem(path: str | os.PathLike, what: str = "output folder") -> str | None:
+    """Why ``path`` cannot be made a folder (it, or a folder above it, is a file), naming ``what``; None if it can."""
+    path = os.path.abspath(os.fspath(path))
+    here = path
+    while not os.path.exists(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+    if os.path.isdir(here):
+        return None
+    where = "is a file" if here == path else f"lies under {here}, which is a file"
+    return f"{what} {path} {where}, not a folder; choose another path, or move the file away."
+
+
+def make_folder(path: str | os.PathLike, what: str = "output folder") -> None:
+    """``os.makedirs(path, exist_ok=True)``, or a ``ValueError`` in our words where a file stands in the way."""
+    problem = folder_problem(path, what)
+    if problem:
+        raise ValueError(problem)
+    os.makedirs(path, exist_ok=True)
+
+
 def _whole_lines_before_damage(path: str | os.PathLike) -> int:
     """How many complete lines gzip delivers from a damaged ``.gz`` before it fails (a buffered line
     reader fails on the block it reads ahead, which can be far earlier than the damage)."""

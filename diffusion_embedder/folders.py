@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from diffusion_embedder.config import ENCODER_CONFIG, LLM2VEC_CONFIG, LLM2VEC_KEYS, POOLING_WEIGHTS
-from diffusion_embedder.files import read_json_object, read_optional_json_object, write_json
+from diffusion_embedder.files import make_folder, read_json_object, read_optional_json_object, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def save(encoder: nn.Module, output_path: str, merge_before_save: bool = False, 
     With ``merge_before_save`` a LoRA adapter is merged into the saved weights; ``encoder.model`` is left
     as it was (see ``merged_copy``).
     """
-    os.makedirs(output_path, exist_ok=True)
+    make_folder(output_path, "Output folder")
     config = encoder.config
     model = encoder.model
     if merge_before_save and hasattr(model, "merge_and_unload"):

@@ -112,6 +112,23 @@ def _llada_number(raw: dict, key: str) -> object:
     return value
 
 
+def _llada_kv_heads(n_kv_heads: object, multi_query_attention: object, n_heads: object) -> object:
+    """Key/value heads as LLaDA's ``effective_n_kv_heads`` derives them: ``n_kv_heads`` when given; else one
+    under ``multi_query_attention: true``, ``n_heads`` otherwise. Both given and disagreeing is refused, as there."""
+    if n_kv_heads is None:
+        return 1 if multi_query_attention is True else n_heads
+    if multi_query_attention is None:
+        return n_kv_heads
+    implied = 1 if multi_query_attention else n_heads
+    if n_kv_heads != implied:
+        raise BackboneConfigError(
+            f"LLaDA config.json: 'n_kv_heads' is {json.dumps(n_kv_heads)} but 'multi_query_attention' is "
+            f"{json.dumps(multi_query_attention)}, which means {implied} key/value heads; LLaDA's own code refuses "
+            "the two set differently. Leave one of them out (or null)."
+        )
+    return implied
+
+
 def llada_config(raw: dict) -> PretrainedConfig:
     """LLaDA's OLMo-style config.json as a ``LlamaConfig`` (the field map in docs/models.md), ``mask_token_id`` kept.
 
@@ -129,7 +146,7 @@ def llada_config(raw: dict) -> PretrainedConfig:
         )
     value = {key: _llada_number(raw, key) for key in _LLADA_DEFAULTS}
     d_model, n_heads = value["d_model"], value["n_heads"]
-    n_kv_heads = value["n_kv_heads"] or (1 if value["multi_query_attention"] else n_heads)
+    n_kv_heads = _llada_kv_heads(value["n_kv_heads"], value["multi_query_attention"], n_heads)
     embedding_size = value["embedding_size"]
     config = LlamaConfig(
         vocab_size=embedding_size if embedding_size is not None else value["vocab_size"],

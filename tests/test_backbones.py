@@ -278,6 +278,80 @@ def test_llada_null_size_is_named(tmp_path):
         load_config(llada_folder(tmp_path, {"d_model": None}))
 
 
+#: Every LLaDA config.json field that changes the computation, its LlamaConfig field (the fixtures README's map),
+#: as an edit of the fixture's config.json and the value Llama must then carry. Each edit differs from the
+#: fixture's value and from LLaDA's default, so a field dropped, or read as its default, shows.
+LLADA_MAPPED = {
+    "d_model": ({"d_model": 96}, "hidden_size", 96),
+    "n_heads": ({"n_heads": 8, "n_kv_heads": 8}, "num_attention_heads", 8),
+    "n_kv_heads": ({"n_kv_heads": 2}, "num_key_value_heads", 2),
+    "multi_query_attention, n_kv_heads absent": (
+        {"multi_query_attention": True, "n_kv_heads": "<drop>"}, "num_key_value_heads", 1),
+    "multi_query_attention, n_kv_heads null": ({"multi_query_attention": True, "n_kv_heads": None},
+                                               "num_key_value_heads", 1),
+    "multi_query_attention false, n_kv_heads absent": (
+        {"multi_query_attention": False, "n_kv_heads": "<drop>"}, "num_key_value_heads", 4),
+    "n_kv_heads absent": ({"n_kv_heads": "<drop>", "multi_query_attention": "<drop>"}, "num_key_value_heads", 4),
+    "multi_query_attention agreeing with n_kv_heads": ({"multi_query_attention": True, "n_kv_heads": 1},
+                                                       "num_key_value_heads", 1),
+    "n_layers": ({"n_layers": 3}, "num_hidden_layers", 3),
+    "mlp_hidden_size": ({"mlp_hidden_size": 160}, "intermediate_size", 160),
+    "mlp_ratio (mlp_hidden_size null)": ({"mlp_hidden_size": None, "mlp_ratio": 5}, "intermediate_size", 320),
+    "max_sequence_length": ({"max_sequence_length": 2048}, "max_position_embeddings", 2048),
+    "rope_theta": ({"rope_theta": 250000.0}, "rope_theta", 250000.0),
+    "rms_norm_eps": ({"rms_norm_eps": 1e-6}, "rms_norm_eps", 1e-6),
+    "embedding_size": ({"embedding_size": 1152}, "vocab_size", 1152),
+    "vocab_size (embedding_size null)": ({"embedding_size": None, "vocab_size": 1000}, "vocab_size", 1000),
+    "weight_tying": ({"weight_tying": True}, "tie_word_embeddings", True),
+    "include_bias (attention)": ({"include_bias": True}, "attention_bias", True),
+    "include_bias (mlp)": ({"include_bias": True}, "mlp_bias", True),
+    "attention_dropout": ({"attention_dropout": 0.25}, "attention_dropout", 0.25),
+    "mask_token_id": ({"mask_token_id": 957}, "mask_token_id", 957),
+    "eos_token_id": ({"eos_token_id": 942}, "eos_token_id", 942),
+    "pad_token_id": ({"pad_token_id": 943}, "pad_token_id", 943),
+}
+
+#: Cases whose derived value is the fixture's own (4 key/value heads = n_heads), so only the mapping is checked.
+LLADA_DERIVED_AS_THE_FIXTURE = ("multi_query_attention false, n_kv_heads absent", "n_kv_heads absent")
+
+
+def mapped_value(config, field: str):
+    return config.rope_parameters["rope_theta"] if field == "rope_theta" else getattr(config, field)
+
+
+@pytest.mark.parametrize("case", LLADA_MAPPED)
+def test_every_llada_field_that_changes_the_computation_reaches_its_llama_field(tmp_path, case):
+    edits, field, expected = LLADA_MAPPED[case]
+    reference, _ = load_config(str(LLADA_FIXTURE))
+    config, _ = load_config(llada_folder(tmp_path, edits))
+    assert mapped_value(config, field) == expected
+    if case not in LLADA_DERIVED_AS_THE_FIXTURE:  # the edit moves this field off the fixture's value
+        assert mapped_value(reference, field) != expected
+    assert (config.hidden_act, config.rope_parameters["rope_type"], type(config).__name__) == (
+        "silu", "default", "LlamaConfig")  # LLaDA's fixed settings (swiglu, no rope scaling)
+
+
+def test_llada_multi_query_attention_builds_one_key_value_head(tmp_path):
+    """The model built from ``multi_query_attention: true`` (no ``n_kv_heads``) has one key/value head: k and v
+    project to one head's width, and every query head attends to that one head."""
+    from transformers import LlamaModel
+
+    config, _ = load_config(llada_folder(tmp_path, {"multi_query_attention": True, "n_kv_heads": "<drop>"}))
+    attention = LlamaModel(config).layers[0].self_attn
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert attention.k_proj.weight.shape == attention.v_proj.weight.shape == (head_dim, config.hidden_size)
+    assert attention.num_key_value_groups == config.num_attention_heads
+
+
+@pytest.mark.parametrize(("edits", "implied"), [({"multi_query_attention": True, "n_kv_heads": 4}, 1),
+                                                ({"multi_query_attention": False, "n_kv_heads": 2}, 4)])
+def test_llada_n_kv_heads_disagreeing_with_multi_query_attention_is_refused(tmp_path, edits, implied):
+    """LLaDA's own code refuses both set differently; before, n_kv_heads silently won."""
+    with pytest.raises(BackboneConfigError, match=rf"'n_kv_heads' is {edits['n_kv_heads']} but "
+                                                  rf"'multi_query_attention' is .*means {implied} key/value heads"):
+        load_config(llada_folder(tmp_path, edits))
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_llada_padding_does_not_leak(side):
     """Upstream LLaDA ignores attention_mask; here each padded row equals its unpadded reference."""

@@ -23,6 +23,7 @@ os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from conftest import LLAMA_FIXTURE, ROOT  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
@@ -185,6 +186,66 @@ def test_another_model_setting_or_corpus_is_refused_naming_what_differs(referenc
     with pytest.raises(ValueError, match=r"model.weights_sha256"):
         ec.encode_corpus(ec.parse_args(other))
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written
+
+
+def drop_chunks(folder: Path, indices: list[int]) -> None:
+    for index in indices:
+        for suffix in (".json", ".npy"):
+            (folder / f"{ec.chunk_name(index)}{suffix}").unlink()
+
+
+def test_the_same_checkpoint_copied_elsewhere_resumes_the_run(reference, tmp_path, family_checkpoint):
+    """The manifest names the model by its weights and settings: a copy of the checkpoint at another path finishes
+    the run (encoding only the missing chunks, to the same vectors); other weights are still refused."""
+    out = tmp_path / "out"
+    shutil.copytree(reference[0], out)
+    drop_chunks(out, [2, 5])
+    moved = shutil.copytree(LLAMA_FIXTURE, tmp_path / "elsewhere" / "renamed-llama")
+    resumed = argv(out, "--device", "cpu")
+    resumed[1] = str(moved)
+    stats = ec.encode_corpus(ec.parse_args(resumed))
+    assert (stats.chunks, stats.skipped_chunks) == ([2, 5], NUM_CHUNKS - 2)
+    ids, matrix = ec.load_embeddings(str(out))
+    assert ids == reference[1] and np.array_equal(matrix, reference[2])
+    drop_chunks(out, [0])
+    before = sorted(p.name for p in out.iterdir())
+    other = argv(out, "--device", "cpu")
+    other[1] = str(family_checkpoint("llama"))  # same architecture and settings, other weights
+    with pytest.raises(ValueError, match=r"another model.*model.weights_sha256"):
+        ec.encode_corpus(ec.parse_args(other))
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_the_same_adapter_copied_elsewhere_resumes_the_run_and_another_adapter_is_refused(tmp_path):
+    from conftest import randomize_lora_b
+    from peft import LoraConfig, get_peft_model
+
+    from diffusion_embedder import Encoder
+
+    def adapter(folder: Path, seed: int) -> Path:
+        encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
+        encoder.model = get_peft_model(encoder.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+        torch.manual_seed(seed)
+        randomize_lora_b(encoder.model, 0.5)
+        encoder.save(str(folder))
+        return folder
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(CORPUS.read_text().splitlines()[:20]) + "\n")  # 2 chunks of 16 and 4
+    first, out = adapter(tmp_path / "run" / "checkpoint-10", 0), tmp_path / "out"
+    run = argv(out, "--device", "cpu", corpus=corpus)
+    run[1] = str(first)
+    assert ec.encode_corpus(ec.parse_args(run)).chunks == [0, 1]
+    _, whole = ec.load_embeddings(str(out))
+    drop_chunks(out, [1])
+    run[1] = str(shutil.copytree(first, tmp_path / "copied" / "adapter"))
+    stats = ec.encode_corpus(ec.parse_args(run))
+    assert (stats.chunks, stats.skipped_chunks) == ([1], 1)
+    assert np.array_equal(ec.load_embeddings(str(out))[1], whole)
+    drop_chunks(out, [1])
+    run[1] = str(adapter(tmp_path / "other" / "checkpoint-10", 1))  # same base, same path name, other LoRA weights
+    with pytest.raises(ValueError, match=r"model.weights_sha256"):
+        ec.encode_corpus(ec.parse_args(run))
 
 
 def test_an_mteb_task_s_corpus_is_the_same_corpus(reference, monkeypatch, capsys):

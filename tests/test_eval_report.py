@@ -3,6 +3,8 @@ scores shown as missing, tasks in the benchmark's order, value labels that stay 
 
 from __future__ import annotations
 
+import json
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -108,3 +110,48 @@ def test_a_label_carries_its_settings_only_where_names_clash():
     runs = ["demo/bidir-untrained@940caecf (doc_max_length=128,enable_bidirectional=True,max_length=128)",
             "demo/bidir-trained@eb723e58 (enable_bidirectional=True)"]
     assert report.short_labels(runs) == {runs[0]: "bidir-untrained", runs[1]: "bidir-trained"}
+
+
+# ------------------------------------------------------------------ FollowIR: mean over the task's splits
+#: Per task, per split: (p-MRR, the original-instruction metric): different on each split, so a report that
+#: reads one split only, or weights them otherwise, shows other numbers.
+FOLLOWIR_SPLITS = {
+    "Core17InstructionRetrieval": {"test": (0.0625, 0.25), "dev": (-0.125, 0.5)},
+    "Robust04InstructionRetrieval": {"test": (0.03125, 0.125), "dev": (0.09375, 0.375)},
+    "News21InstructionRetrieval": {"test": (-0.0625, 0.75), "dev": (0.1875, 0.25)},
+}
+
+
+def write_followir_results(folder) -> None:
+    """A model folder as ``run.py`` leaves it, with FollowIR results on two splits (mteb's result format)."""
+    import mteb
+
+    folder.mkdir(parents=True)
+    (folder / "model_meta.json").write_text(json.dumps({"name": "diffusion_embedder/m", "revision": "0123456789"}))
+    for task, splits in FOLLOWIR_SPLITS.items():
+        og_metric = report.OG_METRIC.get(task, report.OG_DEFAULT)
+        scores = {split: [{"hf_subset": "default", "languages": ["eng-Latn"], "main_score": p_mrr, "p-MRR": p_mrr,
+                           "og": {og_metric: og, "ndcg_at_10": 0.0}, "changed": {og_metric: 0.0}}]
+                  for split, (p_mrr, og) in splits.items()}
+        (folder / f"{task}.json").write_text(json.dumps({
+            "dataset_revision": "r", "task_name": task, "mteb_version": mteb.__version__, "scores": scores,
+            "evaluation_time": 1.0, "kg_co2_emissions": None}))
+
+
+def test_followir_columns_are_the_mean_over_the_task_s_splits(tmp_path):
+    write_followir_results(tmp_path / "results" / "m" / "0123456789")
+    markdown, table = report.write_report([str(tmp_path / "results")])
+    (model,) = table.models
+    rows = {task: values[0] for _, task, values in table.rows()}
+    hand_average = 0.0
+    for task, splits in FOLLOWIR_SPLITS.items():
+        (p_test, og_test), (p_dev, og_dev) = splits["test"], splits["dev"]
+        hand_main, hand_og = 100 * (p_test + p_dev) / 2, 100 * (og_test + og_dev) / 2  # exact in binary
+        og_label = f"og {report.OG_METRIC.get(task, report.OG_DEFAULT)}"
+        assert table.scores[model][task] == hand_main and rows[task] == hand_main, task
+        assert table.details[model][(task, og_label)] == hand_og and rows[f"{task} ({og_label})"] == hand_og, task
+        assert f"| followir | {task} | p-MRR | {hand_main:.2f} |" in markdown
+        assert f"| followir | {task} ({og_label}) |  | {hand_og:.2f} |" in markdown
+        hand_average += hand_main / len(FOLLOWIR_SPLITS)
+    assert rows["Average"] == pytest.approx(hand_average, rel=1e-15)  # the p-MRR columns only, not og
+    assert f"| followir | **Average** |  | {hand_average:.2f} |" in markdown

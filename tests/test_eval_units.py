@@ -174,6 +174,56 @@ def test_cache_is_hit_on_the_second_pass_and_invalidated_by_model_or_settings(tm
     assert encoded == 3 and not np.allclose(fourth, first)
 
 
+#: Encodings of the same weights that must not share cached vectors: (encoder settings, evaluation split).
+#: ``test_8`` / ``test_16`` are LongEmbed-style length splits (the split sets max_length and doc_max_length).
+CACHE_VARIANTS = {
+    "checkpoint's own settings": ({}, "test"),
+    "pooling_mode": ({"pooling_mode": "weighted_mean"}, "test"),
+    "doc_max_length": ({"doc_max_length": 5}, "test"),
+    "skip_instruction": ({"skip_instruction": False}, "test"),
+    "prompt_template": ({"prompt_template": "Passage: {text}"}, "test"),
+    "LongEmbed split test_8": ({}, "test_8"),
+    "LongEmbed split test_16": ({}, "test_16"),
+}
+
+
+def test_one_cache_folder_never_hands_one_encodings_vectors_to_another(tmp_path):
+    """Same weights, same name and revision (as with ``--revision``), one cache folder: each encoding gets its
+    own vectors, equal to the same call without a cache, and a second pass serves each its own."""
+    from mteb.types import PromptType
+
+    texts = ["alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu",
+             "the quick brown fox jumps over the lazy dog and runs far away into the woods",
+             "one two three four five six seven eight nine ten eleven twelve"]
+    batch = [{"id": ["1", "2", "3"], "text": texts, "title": [""] * 3, "body": texts}]
+    meta = metadata("LEMBQMSumRetrieval")
+    encoders = {what: Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32, device="cpu", **settings)
+                for what, (settings, _) in CACHE_VARIANTS.items()}
+
+    def encode(what, cache):
+        model = MTEBEncoder(encoders[what], name="same/name", revision="same-revision", cache=cache,
+                            max_length_cap=8192)
+        return model.encode(batch, task_metadata=meta, hf_split=CACHE_VARIANTS[what][1], hf_subset="default",
+                            prompt_type=PromptType.document)
+
+    first: dict[str, np.ndarray] = {}
+    cache = EmbeddingCache(str(tmp_path / "shared"))
+    for what in CACHE_VARIANTS:
+        before = cache.stats.encoded
+        first[what] = encode(what, cache)
+        assert cache.stats.encoded - before == len(texts), f"{what}: served another encoding's vectors"
+        # same texts, same batches as the cache's encode: the same float32 rows, bit for bit
+        np.testing.assert_array_equal(first[what], encode(what, None), err_msg=what)
+    names = list(CACHE_VARIANTS)
+    for i, a in enumerate(names):  # each setting changes the vectors (else this test could not see a shared key)
+        for b in names[i + 1:]:
+            assert not np.allclose(first[a], first[b], atol=1e-4), f"{a} and {b} give the same vectors"
+    again = EmbeddingCache(str(tmp_path / "shared"))
+    for what in CACHE_VARIANTS:
+        np.testing.assert_array_equal(encode(what, again), first[what], err_msg=what)
+    assert again.stats.encoded == 0 and again.stats.hits == len(texts) * len(CACHE_VARIANTS)
+
+
 def test_revision_is_a_hash_of_weights_and_settings_ablations_go_to_experiment_kwargs(family_checkpoint):
     def meta(path, overrides=None, **kw):
         enc = Encoder.from_pretrained(str(path), torch_dtype=torch.float32, device="cpu", **kw, **(overrides or {}))

@@ -335,3 +335,22 @@ def test_cli_export(tmp_path, capsys):
     assert cli_main(["export", str(latent), str(tmp_path / "refused"), "--stock_only"]) == 2
     assert "pooling_mode='latent_attention'" in capsys.readouterr().out
     assert not (tmp_path / "refused").exists()
+
+
+def test_export_to_a_file_says_so_in_our_words(tmp_path, capsys):
+    """Before, a raw FileExistsError (or NotADirectoryError) from os.makedirs, after loading the checkpoint."""
+    from diffusion_embedder.export import FORMATS, export
+
+    taken = tmp_path / "taken.txt"
+    taken.write_text("not a folder")
+    for out, where in ((taken, "is a file"), (taken / "sub", f"lies under {taken}, which is a file")):
+        assert cli_main(["export", str(LLAMA_FIXTURE), str(out)]) == 2
+        assert capsys.readouterr().out == f"error: OUTPUT {out} {where}, not a folder; choose another path, or " \
+                                          "move the file away.\n"
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
+    for format in FORMATS:  # the API too, every format: the same message, the file untouched
+        with pytest.raises(ValueError, match=f"^Output folder {taken} is a file, not a folder"):
+            export(encoder, str(taken), format)
+    with pytest.raises(ValueError, match=f"lies under {taken}, which is a file"):
+        encoder.save(str(taken / "sub"))
+    assert taken.read_text() == "not a folder"

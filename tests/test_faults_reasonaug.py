@@ -173,14 +173,15 @@ def test_threshold_outside_zero_one_is_refused(tmp_path, threshold, capsys):
     assert not (tmp_path / "out.jsonl").read_text()
 
 
-def test_records_without_user_query_name_file_and_line(tmp_path):
+def test_records_without_user_query_name_file_and_line(tmp_path, capsys):
     rows = [{"user_query": "fine"}, {"user_query": "also fine"}, {"query": "wrong field"}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "bench.txt").write_text("something\n")
     args = ["contamination", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]
     args += ["--report", str(tmp_path / "r.json"), "--benchmark", str(tmp_path / "bench.txt")]
-    with pytest.raises(ValueError, match=r"in.jsonl:3: missing field 'user_query'"):
-        cli.main(args)
+    assert cli.main(args) == cli.EXIT_USAGE  # the message alone, as for a bad concepts file
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: \S*in.jsonl:3: missing field 'user_query'.*\n", err) and "Traceback" not in err
     assert not (tmp_path / "out.jsonl").exists()
 
 
@@ -306,3 +307,49 @@ def test_builder_without_a_split_checks_only_the_files_triplets_wrote(first_run,
     args = ["--concepts", str(concepts), "--workdir", str(workdir), "--rounds", "2", "--seed", "1", "--batch"]
     load_builder().main([*args, "--heldout-fraction", "0", "--benchmark", str(tmp_path / "bench.txt")])
     assert (workdir / "ReasonAug.clean.jsonl").exists() and not list(workdir.glob("ReasonAug_*"))
+
+
+def test_triplets_after_a_failed_definitions_stage_names_the_missing_definitions(tmp_path, server_down, monkeypatch,
+                                                                                   capsys):
+    """Before, the later stages ran on nothing and triplets died with a traceback blaming missing pairs."""
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE[:2])
+    common = ["--workdir", str(tmp_path / "w"), "--concepts", str(concepts), "--rounds", "1"]
+    assert cli.main(["definitions", *common]) == cli.EXIT_REQUESTS_FAILED
+    monkeypatch.setattr(cli, "_client", lambda args: FakeLLM())  # a script that goes on regardless
+    for stage in ("problems", "check-problems", "check-solutions"):
+        assert cli.main([stage, *common]) == 0
+    capsys.readouterr()
+    assert cli.main(["triplets", *common, "--out", str(tmp_path / "t.jsonl")]) == cli.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    names = ", ".join(repr(r["instance"]) for r in BASE[:2])
+    assert err == (f"error: {tmp_path / 'w' / 'definitions.jsonl'} has no definition for any of the 2 concepts "
+                   f"({names}): rerun the 'definitions' stage until it ends without failed requests, then the stages "
+                   "after it\n")
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+BAD_CONCEPTS = {
+    "duplicate concept": (lambda: BASE[:2] + [BASE[0]], r"c.jsonl:3: duplicate concept .* \(first on line 1\)"),
+    "bad line": (lambda: None, r"c.jsonl:2: "),
+    "unknown domain": (lambda: [BASE[0], {"domain": "astrology", "instance": "x"}],
+                       r"c.jsonl:2: domain 'astrology' is not one of .*give a 'question_type'"),
+    "empty file": (lambda: [], r"c.jsonl"),
+}
+
+
+@pytest.mark.parametrize("command", ["definitions", "triplets"])
+@pytest.mark.parametrize("case", BAD_CONCEPTS)
+def test_bad_concepts_files_exit_2_with_the_message_alone(tmp_path, capsys, case, command):
+    """As the training commands: exit status 2 and one line naming file and line, no traceback (before: a
+    ValueError's traceback)."""
+    rows, message = BAD_CONCEPTS[case]
+    path = tmp_path / "c.jsonl"
+    if rows() is None:
+        path.write_text(json.dumps(BASE[0]) + "\n{not json\n")
+    else:
+        write_concepts(path, rows())
+    extra = ["--out", str(tmp_path / "t.jsonl")] if command == "triplets" else []
+    assert cli.main([command, "--workdir", str(tmp_path / "w"), "--concepts", str(path), "--batch", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(message, err), err

@@ -11,6 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
+from test_bidirectional import REFUSED_BY_TRANSFORMERS, check_no_causal_path
+from test_bidirectional import cases as attention_cases
 from test_grad_cache import (
     BOTH_DROPOUTS,
     DROPOUTS,
@@ -87,6 +89,14 @@ def test_attention_self_test_under_bfloat16(family_checkpoint, family, bidirecti
     set_bidirectional(model, not bidirectional)
     with pytest.raises(AttentionSelfTestError, match="self-test failed"):
         check_attention(model, expect_bidirectional=bidirectional)
+
+
+@pytest.mark.parametrize(("family", "impl"), [c for c in attention_cases() if tuple(c.values)
+                                             not in REFUSED_BY_TRANSFORMERS])
+def test_no_attention_module_is_left_causal_on_cuda(family_checkpoint, family, impl):
+    """test_bidirectional's checks on CUDA, where sdpa's flash/cuDNN kernels and flash-attn read ``is_causal``."""
+    model = load_backbone(str(family_checkpoint(family)), attn_implementation=impl, device_map="cuda")
+    check_no_causal_path(model, "cuda")
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "flex_attention"])

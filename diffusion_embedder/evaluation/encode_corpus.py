@@ -15,7 +15,9 @@ Chunks, not shards, are the unit on disk: they are ``sharding.plan_chunks`` over
 of processes, and process ``s`` of ``n`` (``--num_shards``/``--shard_index``, times torchrun's ranks) encodes
 chunks ``s, s + n, ...``. So any sharding writes the same files with the same vectors, and a rerun, with as
 many processes as are at hand, encodes only the chunks not yet complete and intact. A folder made for another
-model, settings, dtype or corpus is refused, naming what differs. ``load_embeddings`` reads the folder back in
+model, settings, dtype or corpus is refused, naming what differs. The model is what it computes (the hash of
+its weights, an adapter folded in, and its settings, as the results ledger defines it), not where it was loaded
+from: the same checkpoint copied to another path resumes the run. ``load_embeddings`` reads the folder back in
 corpus order and checks every chunk.
 """
 
@@ -43,7 +45,7 @@ from diffusion_embedder.evaluation.options import (
     option,
     with_encoder_settings,
 )
-from diffusion_embedder.evaluation.results import PROVENANCE_KEYS, weights_hash
+from diffusion_embedder.evaluation.results import computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
 from diffusion_embedder.files import read_json_object
 
@@ -289,14 +291,13 @@ def _shard(args) -> tuple[int, int]:
 
 
 def _manifest(args, encoder, corpus: Corpus, chunks: list[tuple[int, int]], num_shards: int) -> dict:
-    settings = {k: v for k, v in encoder.config.to_dict().items() if k not in PROVENANCE_KEYS}
     return {
         "format": FORMAT,
         "version": __version__,
         "model": {"base_model_name_or_path": args.base_model_name_or_path,
                   "peft_model_name_or_path": args.peft_model_name_or_path,
                   "weights_sha256": weights_hash(encoder)},
-        "settings": settings,
+        "settings": computed_settings(encoder.config.to_dict()),
         "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
         "embedding_dim": encoder.embedding_dim,
         "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},

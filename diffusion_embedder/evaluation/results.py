@@ -95,10 +95,18 @@ def checkpoint_name(path: str) -> str:
     return "diffusion_embedder/" + re.sub(r"[^A-Za-z0-9._-]+", "_", tail)
 
 
+def computed_settings(settings: dict) -> dict:
+    """The encoder settings that change what the model computes: ``settings`` less ``PROVENANCE_KEYS``.
+
+    With ``weights_hash`` this is the one definition of a model's identity: the results ledger, the revision
+    and the ``encode`` command's manifest all use it, so a copied checkpoint is the same model everywhere.
+    """
+    return {k: v for k, v in settings.items() if k not in PROVENANCE_KEYS}
+
+
 def model_revision(weights: str, settings: dict, overrides: dict | None = None) -> str:
     """Hash of the weights and of the settings the checkpoint brings (overridden ones are experiment kwargs)."""
-    skip = {*PROVENANCE_KEYS, *(overrides or {})}
-    stable = {k: v for k, v in settings.items() if k not in skip}
+    stable = {k: v for k, v in computed_settings(settings).items() if k not in (overrides or {})}
     blob = json.dumps({"weights": weights, "settings": stable}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -109,8 +117,7 @@ def check_identity(results_dir: Path, identity: dict) -> None:
     legacy = results_dir / LEGACY_IDENTITY_FILE
     if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
         legacy.rename(path)
-    settings = {k: v for k, v in identity["settings"].items() if k not in PROVENANCE_KEYS}
-    record = {"weights": identity["weights"], "settings": settings}
+    record = {"weights": identity["weights"], "settings": computed_settings(identity["settings"])}
     if path.exists():
         try:
             stored = read_json_object(path, RuntimeError)

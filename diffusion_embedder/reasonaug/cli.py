@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffusion_embedder import clihelp
-from diffusion_embedder.data.jsonl import Field
+from diffusion_embedder.data.jsonl import DataFormatError, Field
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.contamination import (
     check_threshold,
@@ -217,6 +217,16 @@ def _prompts(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Errors in our own words, reported as their message alone (no traceback) with this exit status, as the training
+#: commands' ``EXIT_STATUS``: a bad concepts or records file (file and line), a missing file, a stage run too early.
+EXIT_STATUS: dict[type[Exception], int] = {
+    UsageError: EXIT_USAGE,
+    StageOutputMissing: EXIT_USAGE,
+    DataFormatError: EXIT_USAGE,
+    FileNotFoundError: EXIT_USAGE,
+}
+
+
 @dataclass(frozen=True)
 class Command:
     help: str
@@ -261,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     try:
         return COMMANDS[args.command].run(args)
-    except (UsageError, StageOutputMissing) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except AwaitingBatchOutputs as e:
+    except AwaitingBatchOutputs as e:  # a normal stop, not an error
         print(f"{e}\nrerun the same command once the outputs are in place.", file=sys.stderr)
         return EXIT_AWAITING_BATCH
+    except tuple(EXIT_STATUS) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return clihelp.exit_status(e, EXIT_STATUS)

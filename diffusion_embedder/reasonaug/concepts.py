@@ -13,6 +13,7 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diffusion_embedder.data.jsonl import DataFormatError
 from diffusion_embedder.reasonaug.llm import read_jsonl
 from diffusion_embedder.reasonaug.prompts import DIFFICULTY_REFERENCES, QUESTION_TYPES
 
@@ -60,7 +61,7 @@ def load_concepts(path: str | Path) -> list[Concept]:
     ``question_type`` and the difficulty ``references`` default to the upstream tables for the five
     ReasonAug domains; a new domain must give its ``question_type`` (coding, math, physics, finance, ...).
     A concept listed twice (the same ``concept_name``: up to case, Unicode compatibility forms and whitespace) or
-    a ``custom_id`` used twice is an error naming both lines.
+    a ``custom_id`` used twice is an error naming both lines; every error is a ``DataFormatError`` naming file and line.
     """
     concepts: list[Concept] = []
     seen_instance: dict[str, int] = {}  # concept_name -> line
@@ -69,27 +70,27 @@ def load_concepts(path: str | Path) -> list[Concept]:
         where = f"{path}:{lineno}"
         domain, instance = r.get("domain"), r.get("instance")
         if not isinstance(domain, str) or not domain.strip():
-            raise ValueError(f"{where}: 'domain' must be a non-empty string, got {domain!r}")
+            raise DataFormatError(f"{where}: 'domain' must be a non-empty string, got {domain!r}")
         if not isinstance(instance, str) or not concept_name(instance):
-            raise ValueError(f"{where}: 'instance' must be a non-empty string, got {instance!r}")
+            raise DataFormatError(f"{where}: 'instance' must be a non-empty string, got {instance!r}")
         name = concept_name(instance)
         if name in seen_instance:
-            raise ValueError(f"{where}: duplicate concept {instance!r} (first on line {seen_instance[name]})")
+            raise DataFormatError(f"{where}: duplicate concept {instance!r} (first on line {seen_instance[name]})")
         question_type = r.get("question_type") or QUESTION_TYPES.get(domain)
         if question_type is None:
-            raise ValueError(
+            raise DataFormatError(
                 f"{where}: domain {domain!r} is not one of {sorted(QUESTION_TYPES)}; give a 'question_type'"
             )
         references = r.get("references", DIFFICULTY_REFERENCES.get(domain, []))
         if not isinstance(references, list) or not all(isinstance(x, str) for x in references):
-            raise ValueError(f"{where}: 'references' must be a list of strings, got {references!r}")
+            raise DataFormatError(f"{where}: 'references' must be a list of strings, got {references!r}")
         custom_id = r.get("custom_id", concept_key(domain, instance))
         if not isinstance(custom_id, str) or not custom_id:
-            raise ValueError(f"{where}: 'custom_id' must be a non-empty string, got {custom_id!r}")
+            raise DataFormatError(f"{where}: 'custom_id' must be a non-empty string, got {custom_id!r}")
         if custom_id in seen_id:
-            raise ValueError(f"{where}: duplicate custom_id {custom_id!r} (first on line {seen_id[custom_id]})")
+            raise DataFormatError(f"{where}: duplicate custom_id {custom_id!r} (first on line {seen_id[custom_id]})")
         seen_instance[name], seen_id[custom_id] = lineno, lineno
         concepts.append(Concept(custom_id, domain, instance, question_type, references))
     if not concepts:
-        raise ValueError(f"{path}: no concepts")
+        raise DataFormatError(f"{path}: no concepts")
     return concepts

@@ -182,14 +182,8 @@ def build_requests(stage: Stage, items: list, round_: int, cfg: StageConfig) -> 
     return requests
 
 
-def _execute(
-    client: Completer | None,
-    requests: list[dict],
-    files: BatchFiles,
-    is_valid: Callable[[str], bool],
-    max_regenerations: int,
-    report: StageReport,
-) -> dict:
+def _execute(client: Completer | None, requests: list[dict], files: BatchFiles, is_valid: Callable[[str], bool],
+             max_regenerations: int, report: StageReport) -> dict:
     write_batch_requests(files.input, requests)
     report.requests += len(requests)
     if client is not None:
@@ -259,6 +253,11 @@ def load_concept_data(cfg: StageConfig, concepts: list[Concept]) -> list[Concept
     pairs: dict[str, list[dict]] = {}
     for p in read_stage_output(cfg, "check-solutions"):
         pairs.setdefault(p["instance"], []).append(p)
+    undefined = [repr(c.instance) for c in concepts if c.instance not in definitions]
+    if concepts and len(undefined) == len(concepts):  # a failed 'definitions' stage: say so, not "no pairs" later
+        raise StageOutputMissing(f"{cfg.parsed('definitions')} has no definition for any of the {len(concepts)} "
+                                 f"concepts ({', '.join(undefined[:5])}{', ...' * (len(undefined) > 5)}): rerun the "
+                                 "'definitions' stage until it ends without failed requests, then the stages after it")
     data = []
     for c in concepts:
         if c.instance not in definitions:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import TrainingArguments, set_seed
 
 from diffusion_embedder.backbones import BackboneConfigError
+from diffusion_embedder.clihelp import exit_status
 from diffusion_embedder.data import DataFormatError
 from diffusion_embedder.training.arguments import ARGUMENT_CLASSES, RunArguments
 from diffusion_embedder.training.checkpoints import (
@@ -245,7 +246,7 @@ def run_cli(argv: list[str] | None, usage: str, schema: StageSchema, start: Call
         start(argv)
     except tuple(EXIT_STATUS) as err:
         logger.error("%s", err)
-        return next(status for kind, status in EXIT_STATUS.items() if isinstance(err, kind))
+        return exit_status(err, EXIT_STATUS)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
