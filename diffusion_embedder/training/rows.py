@@ -53,14 +53,14 @@ def training_rows(pack_length: int | str | None, encoder: nn.Module) -> int | No
     if impl == varlen.NAME and _dropout_problem(model.config):
         raise ConfigError(f"attn_implementation: 'varlen' cannot train this model: {_dropout_problem(model.config)}; "
                           "use attn_implementation 'sdpa'.")
+    auto = packing.AUTO_PACKING.get((device, impl), False)
     if pack_length == "auto":
-        auto = packing.AUTO_PACKING.get((device, impl), False)
         problem = varlen_problem(model) if auto == packing.VARLEN_KERNEL else None
         pack_length = AUTO_PACK_LENGTH if auto and problem is None else None
         rows = f"rows of {pack_length} tokens" if pack_length else "padded rows"
         logger.info("pack_length 'auto' on %s with %s attention: %s%s.", device, impl, rows,
                     f" ({problem})" if problem else "")
-    if pack_length is not None and device == "cuda" and impl == "sdpa":
+    if pack_length is not None and auto == packing.VARLEN_KERNEL:  # sdpa on CUDA: packed rows pay on varlen only
         problem = varlen_problem(model)
         if problem is None:
             model.config._attn_implementation = varlen.NAME
