@@ -113,6 +113,21 @@ def test_offsets_of_packed_rows():
     assert bounded["input_ids"].shape == (4, 2)  # three rows, rounded up to four: the last is padding
     assert bounded["cu_seq_lens"].tolist() == [0, 2, 4, 5, 6, 8]
     assert packing.varlen_offsets(bounded)["max_length_q"] == 2
+    wide = packing.pack([([1, 2], 1), ([3], 1)], capacity=8, pad_token_id=0, bounded=True)  # 5 padding tokens
+    assert wide["cu_seq_lens"].tolist() == [0, 2, 3, 5, 7, 8]  # in pieces of at most 2, the longest text
+
+
+def test_the_lm_stages_model_runs_on_varlen():
+    """MNTP/MDM (bidirectional) and CLM (causal) blocks: the LM head's logits on varlen equal sdpa's."""
+    ids = torch.tensor([[5, 9, 17, 33, 65, 129, 257, 3], [7, 8, 9, 10, 11, 12, 13, 14]])
+    for bidirectional in (True, False):
+        logits = {}
+        for attn in ("sdpa", "varlen"):
+            lm = load_backbone(str(LLAMA_FIXTURE), enable_bidirectional=bidirectional, attn_implementation=attn,
+                               lm_head=True)
+            with torch.no_grad():
+                logits[attn] = lm(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        torch.testing.assert_close(logits["varlen"], logits["sdpa"], atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------- glue
