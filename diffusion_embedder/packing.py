@@ -348,7 +348,8 @@ def _resolve_packing(choice: str | bool, model: torch.nn.Module, device_type: st
     auto = AUTO_PACKING.get((device_type, impl), False)
     if auto == VARLEN_KERNEL:
         dtype = model.get_input_embeddings().weight.dtype
-        slow = varlen.kernel_problem(torch.device(device_type), dtype, varlen.head_dim(model.config))
+        slow = varlen.kernel_problem(torch.device(device_type), dtype, varlen.head_dim(model.config)) or (
+            varlen.config_problem(model.config))
         if slow:
             varlen.say_once(f"packing='auto' pads {impl} rows on {device_type}: packed rows pay only on the varlen "
                             f"kernel, and {slow}. Fast: {varlen.FAST}.")
