@@ -227,7 +227,7 @@ def flex_block_mask(segment_ids: torch.Tensor, causal: bool, dtype: torch.dtype)
     return create_block_mask(mask_mod, rows, None, width, width, device=segment_ids.device)
 
 
-#: Mask builder per attention implementation; with ``varlen`` (offsets, no mask) the implementations packed.
+#: Mask builder per attention implementation; these and ``varlen`` (offsets, no mask) are the ones packed.
 MASK_BUILDERS: dict[str, Callable] = {
     "sdpa": boolean_mask,
     "eager": additive_mask,
