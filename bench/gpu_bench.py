@@ -7,9 +7,15 @@ adds LLaDA-8B); inside it, every configuration on the same model, real strings t
 - ``hf-loop``: what LLM2Vec and sentence-transformers run: length-sorted batches of 32 (8 for the long
   set), the tokenizer's call with right padding and ``truncation=True`` on the critical path, one
   forward, masked mean, each batch's output copied to the CPU;
-- ``ours``: ``encode`` with its defaults; ``ours-budget``: a 64k-token budget per forward;
-  ``ours-packed``: packed rows (sdpa, block mask); ``ours-flex``: packed rows with flex_attention
-  (bounded shapes, so it compiles a few kernels; not in the dry run: it compiles slowly on a CPU).
+- ``ours``: ``encode`` with its defaults (on CUDA in bf16: packed rows, their sdpa forwards run on the varlen
+  kernel); ``ours-padded``: padded rows (the default before issue 25: the "before" of the same run);
+  ``ours-budget``: a 64k-token budget per forward; ``ours-varlen``: the model on ``attn_implementation="varlen"``,
+  packed rows, 64k-token budget; ``ours-compiled``: the hook for compiled layers (``encode(compile=True)``), run
+  where ``encode`` has that argument and recorded as skipped where it has not; ``ours-flex``: packed rows with
+  flex_attention (bounded shapes, so it compiles a few kernels; not in the dry run: it compiles slowly on a CPU).
+
+Each configuration's vectors are compared with the loop's on the same texts (``min_cosine``), and its peak
+memory is recorded.
 
 Document sets (token counts for the fixture tokenizer): ``mixed`` 768 texts of 64-512 tokens, ``cut``
 384 texts of 1-2k tokens cut to 512, ``long`` 64 texts of 1-4k tokens, ``one32k`` one 32,768-token text.
@@ -24,6 +30,7 @@ by a time limit keeps what it measured); a short table is printed last and writt
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -46,13 +53,18 @@ BUDGET = 65536
 CONFIGS = {  # name: (attention implementation, encode keyword arguments); hf-loop is the baseline
     "hf-loop": ("sdpa", None),
     "ours": ("sdpa", {}),
+    "ours-padded": ("sdpa", {"packing": False}),
+    "ours-varlen": ("varlen", {"packing": True, "max_tokens_per_batch": BUDGET}),
     "ours-budget": ("sdpa", {"max_tokens_per_batch": BUDGET}),
-    "ours-packed": ("sdpa", {"packing": True, "max_tokens_per_batch": BUDGET}),
+    "ours-compiled": ("sdpa", {"compile": True, "max_tokens_per_batch": BUDGET}),
     "ours-flex": ("flex_attention", {"packing": True, "max_tokens_per_batch": BUDGET}),
 }
-#: Which configurations run on which set (the one 32k text is one forward whatever the batching).
-PLAN = {"mixed": list(CONFIGS), "cut": ["hf-loop", "ours", "ours-budget", "ours-packed"],
-        "long": ["hf-loop", "ours-budget", "ours-packed"], "one32k": ["hf-loop", "ours-budget"]}
+#: Which configurations run on which set, most important first (the deadline skips the last ones); the one 32k
+#: text is one forward whatever the batching.
+PLAN = {"mixed": list(CONFIGS),
+        "cut": ["hf-loop", "ours", "ours-padded", "ours-varlen", "ours-budget", "ours-compiled"],
+        "long": ["hf-loop", "ours-budget", "ours-varlen", "ours-padded", "ours-compiled"],
+        "one32k": ["hf-loop", "ours-budget", "ours-varlen"]}
 
 
 # ------------------------------------------------------------------------------------------- texts
@@ -106,6 +118,7 @@ def worker(shape: str, dry_run: bool, results: Path, deadline: float) -> None:
 
     import torch
 
+    from diffusion_embedder import varlen
     from diffusion_embedder.random_models import SHAPES_7B, TINY_SHAPE, random_encoder
 
     device, dtype = ("cpu", torch.float32) if dry_run else ("cuda", torch.bfloat16)
@@ -117,29 +130,35 @@ def worker(shape: str, dry_run: bool, results: Path, deadline: float) -> None:
     params = sum(p.numel() for p in encoder.model.parameters() if p.dim() > 1) - embedding
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
     environment = {"shape": shape, "device": name, "torch": torch.__version__,
-                   "varlen_attn": hasattr(torch.nn.attention, "varlen")}
+                   "varlen_kernel": varlen.kernel_problem(torch.device(device), dtype, head_dim) or "runs"}
     append(results, {"event": "start", **environment})
     for set_name, (count, shortest, longest, max_length, hf_batch) in (DRY_SETS if dry_run else SETS).items():
         texts = make_texts(encoder.tokenizer, count, shortest, longest)
         lengths = [min(len(ids), max_length) for ids in encoder.tokenizer(texts)["input_ids"]]
         real = sum(lengths)
         flops = 2 * params * real + sum(4 * n * n * dims["hidden_size"] * dims["num_hidden_layers"] for n in lengths)
+        loop_out = None
         for config in PLAN[set_name]:
             if dry_run and config == "ours-flex":
                 continue
             row = {"shape": shape, "set": set_name, "config": config, "texts": count, "tokens": real}
+            attn, kwargs = CONFIGS[config]
+            missing = sorted(set(kwargs or {}) - set(inspect.signature(encoder.encode).parameters))
+            if missing:  # the hook for a later issue's argument (compile)
+                append(results, {**row, "skipped": f"encode has no {', '.join(missing)} argument"})
+                continue
             if time.time() > deadline:
                 append(results, {**row, "skipped": "deadline"})
                 continue
-            attn, kwargs = CONFIGS[config]
             try:
                 set_attention(encoder.model, attn)
                 if kwargs is None:
                     run = partial(hf_loop, encoder.model, plain_tokenizer, batch_size=hf_batch, max_length=max_length,
                                   device=device)
                 else:
-                    run = partial(encoder.encode, batch_size=hf_batch if config == "ours" else 32,
+                    run = partial(encoder.encode, batch_size=hf_batch if config in ("ours", "ours-padded") else 32,
                                   max_length=max_length, doc_max_length=max_length, show_progress_bar=False, **kwargs)
                 run(texts[: max(2, count // 8)])  # warm-up (flex compiles here), the longest texts' shapes
                 if device == "cuda":
@@ -153,6 +172,11 @@ def worker(shape: str, dry_run: bool, results: Path, deadline: float) -> None:
                 row.update(seconds=seconds, tokens_per_s=real / seconds, finite=bool(torch.isfinite(out).all()),
                            mfu=flops / seconds / 1e12 / peak if peak else None,
                            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
+                if kwargs is None:
+                    loop_out = out
+                elif loop_out is not None:
+                    cosines = torch.nn.functional.cosine_similarity(out.float(), loop_out, dim=-1)
+                    row["min_cosine"] = cosines.min().item()
             except Exception as error:  # noqa: BLE001 - recorded, and the next configuration runs
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 if device == "cuda":
@@ -169,21 +193,22 @@ def append(results: Path, row: dict) -> None:
 
 # ------------------------------------------------------------------------------------------- report
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | documents | configuration | tokens | tokens/s | vs HF loop | MFU | peak GiB |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | documents | configuration | tokens | tokens/s | vs HF loop | MFU | peak GiB | min cosine |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     baseline = {(r["shape"], r["set"]): r.get("tokens_per_s") for r in rows if r.get("config") == "hf-loop"}
     for r in rows:
         if "config" not in r:
             continue
         head = f"| {r['shape']} | {r['set']} | {r['config']} | {r['tokens']} |"
         if "tokens_per_s" not in r:
-            lines.append(f"{head} {r.get('error') or 'skipped: ' + r.get('skipped', '?')} | | | |")
+            lines.append(f"{head} {r.get('error') or 'skipped: ' + r.get('skipped', '?')} | | | | |")
             continue
         base = baseline.get((r["shape"], r["set"]))
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "–"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "–"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "–"
-        lines.append(f"{head} {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {peak} |")
+        cos = f"{r['min_cosine']:.4f}" if r.get("min_cosine") is not None else "–"
+        lines.append(f"{head} {r['tokens_per_s']:.0f} | {ratio} | {mfu} | {peak} | {cos} |")
     return "\n".join(lines)
 
 

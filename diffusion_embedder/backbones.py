@@ -35,6 +35,7 @@ from transformers import (
 )
 from transformers.utils import cached_file
 
+from diffusion_embedder import varlen  # registers attn_implementation="varlen" with transformers
 from diffusion_embedder.dtypes import resolve_dtype
 from diffusion_embedder.files import find_file, hub_kwargs_of, read_json_object
 from diffusion_embedder.release_configs import LLADA_KEY_MAPPING, BackboneConfigError, dream_config, llada_config
@@ -293,6 +294,8 @@ def load_backbone(
     config_overrides = {k: kwargs.pop(k) for k in list(kwargs) if hasattr(config, k) and k not in hub_kwargs}
     for key, value in config_overrides.items():
         setattr(config, key, value)
+    if attn_implementation == varlen.NAME and varlen.config_problem(config):
+        raise ValueError(f"attn_implementation='varlen' cannot load {name_or_path!r}: {varlen.config_problem(config)}.")
     config.is_causal = not enable_bidirectional
     config.use_cache = False
     load_kwargs = dict(kwargs, config=config, dtype=dtype)

@@ -1,11 +1,14 @@
 """Padding-free batches: texts concatenated into rows, positions restarting at each text, attention kept inside it.
 
 transformers only detects packed sequences (from ``position_ids``) on its causal path; with
-``is_causal=False`` packed texts silently attend to each other. So the block-diagonal mask is built
-here, in the form each attention implementation wants, and passed 4D (transformers then uses it as
-is): boolean for ``sdpa``, additive float for ``eager`` (it adds the mask to the scores, so a boolean
-mask would be wrong there), a ``BlockMask`` for ``flex_attention``. A row holding one text needs no
-mask. A dense mask costs rows x width^2, which is why rows are bounded by a pack length.
+``is_causal=False`` packed texts silently attend to each other. So attention is confined here, in the form
+each attention implementation wants. ``varlen`` (``diffusion_embedder.varlen``) takes the rows' cumulative
+offsets (``cu_seq_lens``, made by ``pack``) and no mask; the others get a block-diagonal mask passed 4D
+(transformers then uses it as is): boolean for ``sdpa``, additive float for ``eager`` (it adds the mask to
+the scores, so a boolean mask would be wrong there), a ``BlockMask`` for ``flex_attention``. A row holding
+one text needs no mask. A dense mask costs rows x width^2, which is why rows are bounded by a pack length.
+Packed inference forwards of an ``sdpa`` model run on varlen where its kernel runs (``varlen.dispatched``):
+SDPA has no flash kernel for an arbitrary mask, varlen needs none.
 
 Pooling reads each text's own span: the hidden states are gathered back into the left-padded layout
 of the padded path, so every pooling mode runs the same code on the same values.
@@ -21,10 +24,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from diffusion_embedder import varlen
+
 logger = logging.getLogger(__name__)
 
 #: The key that marks a feature dict as packed.
 PACKED_KEY = "unpack_index"
+#: The cumulative offsets of the sequences in the flattened rows (``varlen``'s ``cu_seq_lens``).
+OFFSETS_KEY = "cu_seq_lens"
 #: Upper bound on the row width of packed encoding per device type (a dense block mask holds
 #: rows x width^2 entries); texts longer than this are encoded in rows of their own, without a mask.
 MAX_ROW_LENGTH = {"cpu": 4096, "cuda": 8192}
@@ -116,7 +123,9 @@ def pack(
     ``unpack_index`` (B, T) into the flattened rows and the padded path's ``attention_mask`` and
     ``embed_mask`` (B, T), left-aligned exactly as ``Encoder.tokenize`` lays them out. Rows are as
     wide as the fullest one; ``bounded`` makes them ``capacity`` wide and their number a power of two
-    (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``).
+    (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``). ``cu_seq_lens`` (int32)
+    delimits the sequences of the flattened rows for ``varlen``: each text, then its row's padding in pieces
+    of at most the longest text's length, so that length (``unpack_index``'s width) bounds every sequence.
     """
     lengths = [len(ids) for ids, _ in sequences]
     rows = pack_rows(lengths, capacity)
@@ -132,9 +141,10 @@ def pack(
     attention_mask = torch.zeros((n_texts, longest), dtype=torch.long)
     embed_mask = torch.zeros((n_texts, longest), dtype=torch.long)
     ranges = torch.arange(max(longest, width))
-    for r, row in enumerate(rows):
+    offsets = [0]
+    for r in range(n_rows):
         start = 0
-        for i in row:
+        for i in (rows[r] if r < len(rows) else ()):
             ids, span = sequences[i]
             n = lengths[i]
             if not n:
@@ -147,6 +157,9 @@ def pack(
             if span:
                 embed_mask[i, longest - span :] = 1
             start += n
+            offsets.append(r * width + start)
+        while offsets[-1] < (r + 1) * width:  # the row's padding
+            offsets.append(min(offsets[-1] + longest, (r + 1) * width))
     return {
         "input_ids": input_ids,
         "position_ids": position_ids,
@@ -154,6 +167,7 @@ def pack(
         PACKED_KEY: unpack_index,
         "attention_mask": attention_mask,
         "embed_mask": embed_mask,
+        OFFSETS_KEY: torch.tensor(offsets, dtype=torch.int32),
     }
 
 
@@ -213,12 +227,13 @@ def flex_block_mask(segment_ids: torch.Tensor, causal: bool, dtype: torch.dtype)
     return create_block_mask(mask_mod, rows, None, width, width, device=segment_ids.device)
 
 
-#: Mask builder per attention implementation; implementations not listed are not packed.
+#: Mask builder per attention implementation; these and ``varlen`` (offsets, no mask) are the ones packed.
 MASK_BUILDERS: dict[str, Callable] = {
     "sdpa": boolean_mask,
     "eager": additive_mask,
     "flex_attention": flex_block_mask,
 }
+PACKED_IMPLEMENTATIONS = (*MASK_BUILDERS, varlen.NAME)
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
@@ -228,8 +243,10 @@ def attention_implementation(model: torch.nn.Module) -> str:
 def packing_problem(model: torch.nn.Module, longest: int) -> str | None:
     """Why this model can't run packed batches, or None when it can."""
     impl = attention_implementation(model)
-    if impl not in MASK_BUILDERS:
-        return f"attn_implementation={impl!r} has no packed path (supported: {', '.join(MASK_BUILDERS)})"
+    if impl not in PACKED_IMPLEMENTATIONS:
+        return f"attn_implementation={impl!r} has no packed path (supported: {', '.join(PACKED_IMPLEMENTATIONS)})"
+    if impl == varlen.NAME and varlen.config_problem(model.config):
+        return varlen.config_problem(model.config)
     window = getattr(model.config, "sliding_window", None)
     layer_types = getattr(model.config, "layer_types", None) or ()
     uses_window = "sliding_attention" in layer_types or (
@@ -240,40 +257,65 @@ def packing_problem(model: torch.nn.Module, longest: int) -> str | None:
     return None
 
 
+def varlen_offsets(features: dict[str, torch.Tensor]) -> dict:
+    """The packing's offsets as transformers' FlashAttention keywords (every sequence is at most as long as
+    ``unpack_index`` is wide: a shape, so no host synchronisation)."""
+    longest = features[PACKED_KEY].shape[1]
+    offsets = features[OFFSETS_KEY]
+    return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+
+
 def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Run the backbone on packed rows; return hidden states in the padded layout (B, T, d)."""
+    """Run the backbone on packed rows; return hidden states in the padded layout (B, T, d).
+
+    On ``varlen`` the rows' offsets confine attention; a model loaded with ``sdpa`` runs its packed inference
+    forwards there too where the kernel runs (``varlen.dispatch_problem``); the others get their block mask.
+    """
     segment_ids = features["segment_ids"]
     impl = attention_implementation(model)
+    inputs = {"input_ids": features["input_ids"], "position_ids": features["position_ids"], "use_cache": False}
+    if impl == varlen.NAME or (impl == "sdpa" and varlen.dispatch_problem(model) is None):
+        with varlen.dispatched(model):
+            hidden = model(**inputs, attention_mask=None, **varlen_offsets(features)).last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
     causal = bool(getattr(model.config, "is_causal", True))
     if bool((segment_ids == segment_ids[:, :1]).all()) and bool((segment_ids >= 0).all()):
         mask = None  # one text per row, no padding: plain attention, bidirectional or causal as configured
     else:
         dtype = model.get_input_embeddings().weight.dtype
         mask = MASK_BUILDERS[impl](segment_ids, causal, dtype)
-    hidden = model(
-        input_ids=features["input_ids"],
-        attention_mask=mask,
-        position_ids=features["position_ids"],
-        use_cache=False,
-    ).last_hidden_state
+    hidden = model(**inputs, attention_mask=mask).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
 
 
-#: What ``packing="auto"`` does per (device type, attention implementation). CPU: padded. On 2 cores with
-#: oneDNN linear layers (bench/results/encode.md), packed rows never paid: 512 ReasonAug texts cut at 400
-#: tokens tie (medians 9.5 s padded, 9.65 s packed; padded efficiency already 0.977), and 400 texts up to
-#: 2,048 tokens take 22.6 / 21.9 s padded vs 35.1 / 36.0 s packed (efficiency 0.869), because a packed row is
-#: as wide as the longest text and the dense block mask makes attention cost row width squared.
-#: CUDA, not measured yet (bench/gpu.sh measures padded vs packed, sdpa vs flex): padded for sdpa and eager,
-#: whose dense mask has the same width-squared cost; packed for flex_attention, whose BlockMask skips the
-#: blocks between texts.
-AUTO_PACKING: dict[tuple[str, str], bool] = {
+#: What ``packing="auto"`` does per (device type, attention implementation): True packs, False pads, and
+#: ``VARLEN_KERNEL`` packs where the varlen kernel runs for the model (else pads).
+#: CPU: padded. On 2 cores with oneDNN linear layers (bench/results/encode.md), packed rows never paid: 512
+#: ReasonAug texts cut at 400 tokens tie (medians 9.5 s padded, 9.65 s packed; padded efficiency already 0.977),
+#: and 400 texts up to 2,048 tokens take 22.6 / 21.9 s padded vs 35.1 / 36.0 s packed (efficiency 0.869),
+#: because a packed row is as wide as the longest text and the dense block mask makes attention cost row width
+#: squared. (``varlen`` on the CPU runs its per-text reference path: padded too, not measured packed.)
+#: CUDA (one H200, 7B shape, bf16, main a4bfa6d; ../shared/gpu/2026-11-27.md): packed sdpa rows with a block mask
+#: bought nothing (768 texts of 64-512 tokens: 32.4k tokens/s packed, 32.6k padded; cut 512: 36.6k vs 39.7k),
+#: because SDPA has no flash kernel for an arbitrary mask; so sdpa packs only where its packed forwards run on
+#: the varlen kernel (bf16/fp16, torch >= 2.10), and varlen packs. flex_attention packs: padded it compiles per
+#: batch width (12.3k tokens/s padded, 32.3k packed). eager pads (dense mask, no flash kernel either way).
+#: The varlen rows are not measured yet (bench/gpu.sh measures them beside the plain loop).
+VARLEN_KERNEL = "varlen kernel"
+AUTO_PACKING: dict[tuple[str, str], bool | str] = {
     ("cpu", "sdpa"): False,
     ("cpu", "eager"): False,
     ("cpu", "flex_attention"): False,
-    ("cuda", "sdpa"): False,
+    ("cpu", varlen.NAME): False,
+    ("cuda", "sdpa"): VARLEN_KERNEL,
     ("cuda", "eager"): False,
     ("cuda", "flex_attention"): True,
+    ("cuda", varlen.NAME): True,
+}
+#: Padded rows that cost far more than packed ones, and why (said once when a forward runs them).
+SLOW_PADDED = {
+    ("cuda", "flex_attention"): "padded rows with flex_attention compile a kernel per batch width: 12.3k tokens/s "
+    "against 32.3k packed on an H200 (7B shape); pack them (packing=True or 'auto') or use attn_implementation='sdpa'",
 }
 
 
@@ -285,7 +327,15 @@ def check_packing(choice) -> str | bool:
 
 def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:
     """Resolve ``encode(packing=...)``: True must be possible (else a clear error), "auto" follows ``AUTO_PACKING``."""
-    if check_packing(choice) is False:
+    impl = attention_implementation(model)
+    packed = _resolve_packing(check_packing(choice), model, device_type, longest, impl)
+    if not packed and (device_type, impl) in SLOW_PADDED:
+        varlen.say_once(f"Padded rows: {SLOW_PADDED[device_type, impl]}.")
+    return packed
+
+
+def _resolve_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int, impl: str) -> bool:
+    if choice is False:
         return False
     problem = packing_problem(model, longest)
     if choice is True:
@@ -295,4 +345,13 @@ def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, lo
     if problem:
         logger.debug("Not packing: %s.", problem)
         return False
-    return AUTO_PACKING.get((device_type, attention_implementation(model)), False)
+    auto = AUTO_PACKING.get((device_type, impl), False)
+    if auto == VARLEN_KERNEL:
+        dtype = model.get_input_embeddings().weight.dtype
+        slow = varlen.kernel_problem(torch.device(device_type), dtype, varlen.head_dim(model.config)) or (
+            varlen.config_problem(model.config))
+        if slow:
+            varlen.say_once(f"packing='auto' pads {impl} rows on {device_type}: packed rows pay only on the varlen "
+                            f"kernel, and {slow}. Fast: {varlen.FAST}.")
+        return slow is None
+    return bool(auto)

@@ -25,6 +25,7 @@ from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.losses import LOSSES
 from diffusion_embedder.training.fsdp import lora_stage_rules
+from diffusion_embedder.training.rows import row_rules
 from diffusion_embedder.training.schema import (
     TRAINING_DEFAULTS,
     ConfigError,
@@ -35,7 +36,7 @@ from diffusion_embedder.training.schema import (
 )
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "varlen")
 LOSS_CLASSES = tuple(LOSSES)
 DATASET_NAMES = tuple(DATASET_READERS)
 #: LLM2Vec's training names for encoder settings, still accepted (the JSON configs of the paper use them).
@@ -174,14 +175,18 @@ class CustomArguments(RunArguments, LoraArguments):
     simcse_dropout: float | None = field(
         default=None, metadata={"help": "Backbone attention dropout (SimCSE's two views; upstream 0.3)."}
     )
-    pack_length: int | None = field(
-        default=None,
-        metadata={"help": "Padding-free training: pack each text column into rows of at most this many tokens."},
+    pack_length: int | str | None = field(
+        default="auto",
+        metadata={
+            "help": "Padding-free training: pack each text column into rows of at most this many tokens (on CUDA "
+            "on the varlen kernel); 'auto': rows of 8192 on CUDA where the varlen kernel runs, else padded; "
+            "null: padded."
+        },
     )
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
-SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules,))
+SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules, row_rules))
 
 
 @dataclass

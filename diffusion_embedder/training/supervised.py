@@ -23,6 +23,7 @@ from diffusion_embedder.training.arguments import (
     parse_args,
 )
 from diffusion_embedder.training.lora import add_lora, continue_adapter, enable_checkpointing, log_trainable
+from diffusion_embedder.training.rows import training_rows
 from diffusion_embedder.training.runner import (
     OpenRun,
     fit_built,
@@ -112,15 +113,16 @@ def start_run(cfg: TrainConfig) -> OpenRun:
 
 
 def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None = None) -> EncoderTrainer:
-    """The supervised stage: data (``build_dataset``'s, read here if not given), trainable encoder, loss and
-    collator, each from its config fields."""
+    """The supervised stage: data (``build_dataset``'s, read here if not given), trainable encoder, its rows and
+    attention (``rows.training_rows``), loss and collator, each from its config fields."""
     dataset, num_negatives = data or build_dataset(cfg)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    pack_length = training_rows(cfg.custom.pack_length, encoder)
     return EncoderTrainer(
         model=encoder,
         args=cfg.training,
         train_dataset=dataset,
-        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=cfg.custom.pack_length),
+        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=pack_length),
         loss_fn=loss_from_config(cfg.custom.loss_class, cfg.custom),
         grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
         group_by=cfg.data.group_by,
