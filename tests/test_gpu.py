@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention, randomize_lora_b
-from test_bidirectional import REFUSED_BY_TRANSFORMERS, check_no_causal_path
+from test_bidirectional import REFUSED_AT_LOAD, check_no_causal_path
 from test_bidirectional import cases as attention_cases
 from test_grad_cache import (
     BOTH_DROPOUTS,
@@ -93,7 +93,7 @@ def test_attention_self_test_under_bfloat16(family_checkpoint, family, bidirecti
 
 
 @pytest.mark.parametrize(("family", "impl"), [c for c in attention_cases() if tuple(c.values)
-                                             not in REFUSED_BY_TRANSFORMERS])
+                                             not in REFUSED_AT_LOAD])
 def test_no_attention_module_is_left_causal_on_cuda(family_checkpoint, family, impl):
     """test_bidirectional's checks on CUDA, where sdpa's flash/cuDNN kernels and flash-attn read ``is_causal``."""
     model = load_backbone(str(family_checkpoint(family)), attn_implementation=impl, device_map="cuda")
