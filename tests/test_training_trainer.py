@@ -9,12 +9,13 @@ import pytest
 import torch
 from conftest import randomize_lora_b
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.data import ContrastiveCollator, Custom, TrainSample
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
 from diffusion_embedder.training.arguments import validate
-from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, find_last_checkpoint
+from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, TRAINABLE_WEIGHTS, find_last_checkpoint
 from diffusion_embedder.training.supervised import prepare_encoder
 from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError
 
@@ -133,28 +134,37 @@ def test_training_follows_homogeneous_order(tmp_path):
     assert step + 1 == len(dataset) // 4
 
 
-class NaNAtCall:
-    def __init__(self, call: int):
-        self.call, self.calls, self.loss = call, 0, HardNegativeNLLLoss()
+class BadLossAtCall:
+    """The loss, multiplied by ``bad`` (NaN, inf or -inf) at the ``call``-th call."""
+
+    def __init__(self, call: int, bad: float = float("nan")):
+        self.call, self.calls, self.bad, self.loss = call, 0, bad, HardNegativeNLLLoss()
 
     def __call__(self, *args):
         self.calls += 1
         loss = self.loss(*args)
-        return loss * float("nan") if self.calls == self.call else loss
+        return loss * self.bad if self.calls == self.call else loss
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, chunk):
+def test_non_finite_loss_stops_before_the_step_and_keeps_last_good_checkpoint(tmp_path, chunk, bad):
+    """NaN, inf and -inf alike: the run stops at step 5 before the optimizer touches the weights (they are still
+    checkpoint-4's, bit for bit), and the message names checkpoint-2, the last one whose next loss was finite."""
     trainer = make_trainer(
-        tmp_path, loss_fn=NaNAtCall(5), max_steps=8, save_steps=2, learning_rate=1e-3, grad_cache_chunk_size=chunk
+        tmp_path, loss_fn=BadLossAtCall(5, float(bad)), max_steps=8, save_steps=2, learning_rate=1e-3,
+        grad_cache_chunk_size=chunk,
     )
     trainer.grad_cache_chunk_size = chunk
-    # checkpoint-4 is written but never called good: the loss computed with its weights (step 5) is NaN.
-    with pytest.raises(NonFiniteLossError, match="Loss is nan at optimizer step 5.*checkpoint is .*checkpoint-2;"):
+    # checkpoint-4 is written but never called good: the loss computed with its weights (step 5) is not finite.
+    with pytest.raises(NonFiniteLossError, match=f"Loss is {bad} at optimizer step 5.*checkpoint is .*checkpoint-2;"):
         trainer.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
     assert find_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    saved = load_file(tmp_path / "checkpoint-4" / TRAINABLE_WEIGHTS)
+    trainable = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert saved.keys() == trainable.keys()
+    assert all(torch.equal(trainable[n], saved[n]) for n in saved)  # step 5 never reached the weights
 
 
 def test_find_last_checkpoint_skips_half_written(tmp_path):
