@@ -167,6 +167,29 @@ def test_non_finite_loss_stops_before_the_step_and_keeps_last_good_checkpoint(tm
     assert all(torch.equal(trainable[n], saved[n]) for n in saved)  # step 5 never reached the weights
 
 
+def complete_checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in run.glob("checkpoint-*") if (p / COMPLETE_MARKER).is_file())
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_save_total_limit_keeps_exactly_that_many_complete_checkpoints_the_newest(tmp_path, limit):
+    """8 steps, a checkpoint every 2: the newest ``limit`` remain, each complete, and nothing else."""
+    make_trainer(tmp_path, max_steps=8, save_steps=2, save_total_limit=limit).train()
+    newest = ["checkpoint-6", "checkpoint-8"][-limit:]
+    assert sorted(os.listdir(tmp_path)) == newest
+    assert complete_checkpoints(tmp_path) == newest
+
+
+def test_save_total_limit_never_rotates_out_the_last_good_checkpoint(tmp_path):
+    """With a limit of 1, checkpoint-4 (written, never called good: step 5's loss is NaN) does not replace
+    checkpoint-2: rotation waits for the marker, so the checkpoint the stop message names is still there."""
+    trainer = make_trainer(tmp_path, loss_fn=BadLossAtCall(5), max_steps=8, save_steps=2, save_total_limit=1)
+    with pytest.raises(NonFiniteLossError, match="checkpoint is .*checkpoint-2;"):
+        trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    assert complete_checkpoints(tmp_path) == ["checkpoint-2"]
+
+
 def test_find_last_checkpoint_skips_half_written(tmp_path):
     for step, complete in ((5, True), (10, True), (15, False)):
         folder = tmp_path / f"checkpoint-{step}"

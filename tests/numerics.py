@@ -1,0 +1,74 @@
+"""Tolerances from the arithmetic: norm-relative error in units of the compared dtype's epsilon.
+
+Two float computations of the same quantity in different orders (batched vs one text, packed vs padded,
+GradCache vs direct, two ranks vs one process, AVX-512 vs AVX2 kernels) differ by rounding, which scales
+with the tensor's size, not with each element's: an element near zero can carry the rounding of its
+large neighbours. So a comparison is ``||actual - expected|| / ||expected|| <= k * eps(dtype)``, with k
+set from a measurement (each call site says what was measured) and a margin for other machines. A real
+bug (a dropped term, a wrong scale, a wrong span) moves the error by orders of magnitude more: about
+1e-2 or worse, against bounds of at most a few thousand eps (a few 1e-4).
+
+Set ``NUMERICS_LOG=/some/file`` to append every observed error (in eps) with its test: that is how the
+bounds here were measured, and how to measure them on a new machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["assert_all_close_normwise", "assert_close_normwise", "eps", "normwise_error"]
+
+
+def eps(dtype: torch.dtype = torch.float32) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return torch.as_tensor(x).detach().to("cpu", torch.float64)
+
+
+def normwise_error(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (the absolute error where expected is zero)."""
+    a, e = _as_tensor(actual), _as_tensor(expected)
+    assert a.shape == e.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}"
+    scale = e.norm().item()
+    diff = (a - e).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _log(label: str, ratio: float) -> None:
+    path = os.environ.get("NUMERICS_LOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(f"{test}\t{label}\t{ratio:.3f}\n")
+
+
+def assert_close_normwise(
+    actual, expected, *, eps_multiple: float, dtype: torch.dtype = torch.float32, msg: object = ""
+) -> None:
+    """Assert ``normwise_error(actual, expected) <= eps_multiple * eps(dtype)`` (shapes must match too)."""
+    error = normwise_error(actual, expected)
+    ratio = error / eps(dtype)
+    _log(str(msg), ratio)
+    assert ratio <= eps_multiple, (
+        f"{msg}: norm-relative error {error:.3g} = {ratio:.1f} eps({dtype}) > bound {eps_multiple} eps"
+    )
+
+
+def assert_all_close_normwise(
+    actual: dict | Sequence, expected: dict | Sequence, *, eps_multiple: float, dtype: torch.dtype = torch.float32,
+    msg: object = "",
+) -> None:
+    """Every tensor of two dicts (same keys) or sequences (same length), each against its own norm."""
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys(), (msg, set(actual) ^ set(expected))
+        pairs = [(name, actual[name], expected[name]) for name in expected]
+    else:
+        assert len(actual) == len(expected), msg
+        pairs = [(i, a, e) for i, (a, e) in enumerate(zip(actual, expected, strict=True))]
+    for name, a, e in pairs:
+        assert_close_normwise(a, e, eps_multiple=eps_multiple, dtype=dtype, msg=f"{msg} {name}".strip())
