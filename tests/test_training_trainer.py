@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import randomize_lora_b
+from numerics import GRAD_EPS, MERGE_EPS, ORDER_EPS, assert_all_close_normwise, assert_close_normwise
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
@@ -67,11 +68,11 @@ def step_grads(trainer: EncoderTrainer, inputs, chunk: int | None, seed: int = 0
     return loss, grads
 
 
-def assert_same(a, b, atol=1e-5):
-    torch.testing.assert_close(a[0], b[0], atol=atol, rtol=0)
+def assert_same(a, b):
+    """Loss and every trainable gradient tensor, each norm-relative (numerics.GRAD_EPS)."""
+    assert_close_normwise(a[0], b[0], eps_multiple=GRAD_EPS, msg="loss")
     assert a[1].keys() == b[1].keys() and len(a[1]) > 0
-    for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=1e-4, msg=name)
+    assert_all_close_normwise(a[1], b[1], eps_multiple=GRAD_EPS, msg="grad")
 
 
 def test_grad_cache_equals_direct_path(tmp_path):
@@ -107,7 +108,7 @@ def test_negatives_reach_the_loss_as_b_k_d_in_sample_order(tmp_path):
         assert negatives.shape == (3, 2, trainer.model.embedding_dim)
         for i, sample in enumerate(batch):
             alone = trainer.model(trainer.model.tokenize([list(n) for n in sample.negatives]))
-            torch.testing.assert_close(negatives[i], alone, atol=1e-5, rtol=0)
+            assert_close_normwise(negatives[i], alone, eps_multiple=ORDER_EPS, rows=True)
 
 
 def test_grad_cache_replays_dropout(tmp_path):
@@ -228,7 +229,7 @@ def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path):
     base = Encoder.from_pretrained(str(LLAMA), device="cpu", skip_instruction=False)
     text = [["Find it;", "a quiet violin"]]
     ours = encoder.encode(text, show_progress_bar=False)
-    torch.testing.assert_close(ours, reference.encode(text, show_progress_bar=False))
+    assert_close_normwise(ours, reference.encode(text, show_progress_bar=False), eps_multiple=MERGE_EPS, rows=True)
     assert (ours - base.encode(text, show_progress_bar=False)).abs().max() > 1e-3  # the merge changed the model
 
 
