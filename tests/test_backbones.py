@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import DREAM_FIXTURE, FAMILIES, LLADA_FIXTURE, default_attention
+from numerics import REFERENCE_EPS, assert_close_normwise
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -31,7 +32,7 @@ def test_dream_reproduces_reference(attn, bidirectional):
     key = "last_hidden_state" if bidirectional else "last_hidden_state_causal"
     for case in DREAM_CASES:
         out = model(input_ids=torch.tensor(case["input_ids"]), use_cache=False).last_hidden_state
-        assert torch.allclose(out, torch.tensor(case[key]), atol=1e-4, rtol=0)
+        assert_close_normwise(out, torch.tensor(case[key]), eps_multiple=REFERENCE_EPS)
 
 
 def test_dream_is_qwen2_without_remote_code():
@@ -58,7 +59,7 @@ def test_dream_padding_does_not_leak(attn):
     mask = torch.cat([torch.zeros(7, dtype=torch.long), torch.ones(len(ids), dtype=torch.long)]).unsqueeze(0)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     out = model(input_ids=padded, attention_mask=mask, position_ids=positions, use_cache=False).last_hidden_state
-    assert torch.allclose(out[0, 7:], expected, atol=1e-4, rtol=0)
+    assert_close_normwise(out[0, 7:], expected, eps_multiple=REFERENCE_EPS)
 
 
 def _attn_implementations(family):
@@ -121,8 +122,8 @@ def test_llada_reproduces_reference(attn):
         with torch.no_grad():
             hidden = model(input_ids=ids, use_cache=False).last_hidden_state
             logits = lm(input_ids=ids, use_cache=False).logits
-        assert torch.allclose(hidden, torch.tensor(case["last_hidden_state"]), atol=1e-4, rtol=0)
-        assert torch.allclose(logits, torch.tensor(case["logits"]), atol=1e-4, rtol=0)
+        assert_close_normwise(hidden, torch.tensor(case["last_hidden_state"]), eps_multiple=REFERENCE_EPS)
+        assert_close_normwise(logits, torch.tensor(case["logits"]), eps_multiple=REFERENCE_EPS)
 
 
 def llada_by_hand(ids: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -165,10 +166,13 @@ def test_llada_causal_matches_a_hand_written_forward():
     causal = load_backbone(str(LLADA_FIXTURE), enable_bidirectional=False)
     for case in LLADA_CASES:
         ids = torch.tensor(case["input_ids"])
-        assert torch.allclose(llada_by_hand(ids, causal=False), torch.tensor(case["last_hidden_state"]), atol=1e-4)
+        assert_close_normwise(
+            llada_by_hand(ids, causal=False), torch.tensor(case["last_hidden_state"]),
+            eps_multiple=REFERENCE_EPS
+        )
         with torch.no_grad():
             out = causal(input_ids=ids, use_cache=False).last_hidden_state
-        assert torch.allclose(out, llada_by_hand(ids, causal=True), atol=1e-4, rtol=0)
+        assert_close_normwise(out, llada_by_hand(ids, causal=True), eps_multiple=REFERENCE_EPS)
 
 
 def test_llada_is_llama_without_remote_code(tmp_path):
@@ -368,4 +372,4 @@ def test_llada_padding_does_not_leak(side):
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
     for i, (_, expected) in enumerate(rows):
         got = out.last_hidden_state[i][mask[i].bool()]
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (side, i)
+        assert_close_normwise(got, expected, eps_multiple=REFERENCE_EPS, msg=(side, i))

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import LLAMA_FIXTURE
+from numerics import ORDER_EPS, REFERENCE_EPS, assert_close_normwise
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.config import (
@@ -336,9 +337,9 @@ def test_llm2vec_style_calls_positional_arguments_triples_and_attributes():
     # encode(sentences, batch_size, show_progress_bar, convert_to_numpy, convert_to_tensor, device), positionally
     out = l2v.encode(triple["inputs"], 3, False, True, False, "cpu")
     assert isinstance(out, np.ndarray)
-    np.testing.assert_allclose(out, np.array(triple["embeddings"]), atol=1e-4)
+    assert_close_normwise(out, np.array(triple["embeddings"]), eps_multiple=REFERENCE_EPS, rows=True)
     single = l2v.encode(triple["inputs"][0], 8, False)  # one [instruction, text, id] triple: one input
-    np.testing.assert_allclose(single.numpy(), out[:1], atol=1e-5)
+    assert_close_normwise(single.numpy(), out[:1], eps_multiple=ORDER_EPS, rows=True)
     # LLM2Vec's attributes and methods, with its meaning
     assert (l2v.pooling_mode, l2v.max_length, l2v.doc_max_length, l2v.skip_instruction) == ("mean", 256, 400, True)
     assert l2v.model is not None and l2v.tokenizer.padding_side == "left"
@@ -372,8 +373,10 @@ def test_saved_folder_is_written_in_forms_older_releases_read(tmp_path):
     assert json.loads((tmp_path / "enc" / "config.json").read_text())["rope_theta"] == 10000.0
     assert (tmp_path / "enc" / "special_tokens_map.json").is_file()
     reloaded = Encoder.from_pretrained(str(tmp_path / "enc"), torch_dtype=torch.float32, device="cpu")
-    torch.testing.assert_close(reloaded.encode([["Find it", "a quiet violin"], "plain"], show_progress_bar=False),
-                               expected, atol=1e-6, rtol=0)
+    assert_close_normwise(
+        reloaded.encode([["Find it", "a quiet violin"], "plain"], show_progress_bar=False), expected,
+        eps_multiple=ORDER_EPS, rows=True
+    )
     encoder.save(str(tmp_path / "bare"), save_config=False)  # LLM2Vec's save_config
     assert not (tmp_path / "bare" / "llm2vec_config.json").exists()
     assert not (tmp_path / "bare" / "encoder_config.json").exists()

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import LLAMA_FIXTURE, MIXED_TEXTS
+from numerics import ORDER_EPS, assert_close_normwise
 from torch import nn
 
 from diffusion_embedder import Encoder, cpu_linear
@@ -41,7 +42,7 @@ def test_same_values_as_f_linear_for_every_input_shape():
                     got = module(x)
             assert switched == 1
             assert got.shape == expected.shape
-            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (shape, (got - expected).abs().max())
+            assert_close_normwise(got, expected, eps_multiple=ORDER_EPS, msg=(shape, (got - expected).abs().max()))
 
 
 def test_encode_uses_it_and_gives_the_default_paths_embeddings(calls, monkeypatch):
@@ -55,7 +56,7 @@ def test_encode_uses_it_and_gives_the_default_paths_embeddings(calls, monkeypatc
         default = encoder.encode(MIXED_TEXTS, batch_size=2, packing=packing, show_progress_bar=False)
         monkeypatch.delenv(ENV_SWITCH)
         assert not calls, f"{ENV_SWITCH}=0 did not switch it off"
-        assert torch.allclose(fast, default, rtol=0, atol=1e-5), (fast - default).abs().max()
+        assert_close_normwise(fast, default, eps_multiple=ORDER_EPS, rows=True, msg=(fast - default).abs().max())
     # The layers are restored after encode: a forward with gradients runs PyTorch's own path.
     assert not any("forward" in m.__dict__ for m in encoder.modules() if type(m) is nn.Linear)
 
@@ -69,7 +70,7 @@ def test_gated_mlps_fuse_silu_and_product_into_the_matmuls(family_checkpoint, fa
     fused = calls.count("swish")
     monkeypatch.setenv(ENV_SWITCH, "0")
     default = encoder.encode(MIXED_TEXTS, batch_size=3, show_progress_bar=False)
-    assert torch.allclose(fast, default, rtol=0, atol=1e-5), (family, (fast - default).abs().max())
+    assert_close_normwise(fast, default, eps_multiple=ORDER_EPS, rows=True, msg=(family, (fast - default).abs().max()))
     layers = encoder.model.config.num_hidden_layers
     assert fused == (0 if family == "gemma2" else layers * 2), (family, fused)  # 2 batches x every layer
     assert calls, family
@@ -84,12 +85,12 @@ def test_mlp_with_a_replaced_projection_is_not_fused(calls):
     with torch.no_grad():
         expected = mlp(x)
         with onednn_linear(mlp, torch.device("cpu")):
-            assert torch.allclose(mlp(x), expected, atol=1e-5)
+            assert_close_normwise(mlp(x), expected, eps_multiple=ORDER_EPS)
         assert calls.count("swish") == 1
         calls.clear()
         mlp.up_proj.forward = lambda t: F.linear(t, mlp.up_proj.weight)  # e.g. an accelerate hook
         with onednn_linear(mlp, torch.device("cpu")):
-            assert torch.allclose(mlp(x), expected, atol=1e-5)
+            assert_close_normwise(mlp(x), expected, eps_multiple=ORDER_EPS)
         assert "swish" not in calls and len(calls) == 2  # gate and down, plain
 
 

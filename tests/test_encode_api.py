@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import LLAMA_FIXTURE
+from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.util import SimilarityFunction
 from sentence_transformers.util.quantization import quantize_embeddings as st_quantize
@@ -73,8 +74,8 @@ def test_similarity_matches_sentence_transformers(encoder, name):
         encoder.similarity_fn_name = "cosine"
     reference = SimilarityFunction.to_similarity_fn(name)(a, b)
     assert ours.shape == (3, len(TEXTS)) and torch.allclose(ours, reference, atol=1e-5)
-    assert torch.allclose(SIMILARITY_FUNCTIONS[name](a.numpy(), list(b)), reference, atol=1e-5)
-    assert torch.allclose(SIMILARITY_FUNCTIONS[name](a[0], b), reference[:1], atol=1e-5)
+    assert_close_normwise(SIMILARITY_FUNCTIONS[name](a.numpy(), list(b)), reference, eps_multiple=HAND_EPS, rows=True)
+    assert_close_normwise(SIMILARITY_FUNCTIONS[name](a[0], b), reference[:1], eps_multiple=HAND_EPS, rows=True)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -102,7 +103,7 @@ def test_precision_errors(encoder):
 def test_truncate_dim_then_normalize(encoder):
     full = encode(encoder, TEXTS)
     cut = encode(encoder, TEXTS, truncate_dim=16, normalize_embeddings=True)
-    assert torch.allclose(cut, torch.nn.functional.normalize(full[:, :16], dim=-1), atol=1e-6)
+    assert_close_normwise(cut, torch.nn.functional.normalize(full[:, :16], dim=-1), eps_multiple=HAND_EPS, rows=True)
     assert encoder.get_sentence_embedding_dimension() == 64
     encoder.truncate_dim = 8
     try:
@@ -121,7 +122,7 @@ def test_max_seq_length_is_max_length(encoder):
     encoder.max_seq_length = 12
     try:
         assert encoder.config.max_length == 12
-        assert torch.allclose(encode(encoder, long), encode(short, long), atol=1e-6)
+        assert_close_normwise(encode(encoder, long), encode(short, long), eps_multiple=ORDER_EPS, rows=True)
     finally:
         encoder.max_seq_length = 512
 
@@ -161,9 +162,12 @@ def test_output_value_token_embeddings_and_none_match_sentence_transformers(stoc
     for i, (row, st_row) in enumerate(zip(rows, st_rows, strict=True)):
         assert {"input_ids", "attention_mask", "token_embeddings", "sentence_embedding"} <= set(row) & set(st_row)
         assert row["input_ids"].tolist() == st_row["input_ids"][st_row["attention_mask"].bool()].tolist()
-        assert torch.allclose(row["token_embeddings"], ours[i], atol=1e-6)
-        assert torch.allclose(row["sentence_embedding"], st_row["sentence_embedding"], atol=1e-5)
-        assert torch.allclose(row["sentence_embedding"], full[i, :8], atol=1e-6)  # cut, not normalized
+        assert_close_normwise(row["token_embeddings"], ours[i], eps_multiple=ORDER_EPS)
+        assert_close_normwise(
+            row["sentence_embedding"], st_row["sentence_embedding"],
+            eps_multiple=ORDER_EPS, rows=True
+        )
+        assert_close_normwise(row["sentence_embedding"], full[i, :8], eps_multiple=HAND_EPS, rows=True)
     one = model.encode("one", output_value="token_embeddings")
     assert encode(plain, "one", output_value="token_embeddings").shape == one.shape
     assert set(encode(plain, "one", output_value=None)) >= {"token_embeddings", "sentence_embedding"}
@@ -193,13 +197,16 @@ def test_multi_process_pool_api(stock_pair):
     pool = plain.start_multi_process_pool(["cpu"])
     try:
         local = encode(plain, TEXTS)
-        assert torch.allclose(encode(plain, TEXTS, pool=pool, chunk_size=2), local, atol=1e-6)
+        assert_close_normwise(encode(plain, TEXTS, pool=pool, chunk_size=2), local, eps_multiple=ORDER_EPS, rows=True)
         tokens = encode(plain, TEXTS, pool=pool, output_value="token_embeddings")
         for a, b in zip(tokens, encode(plain, TEXTS, output_value="token_embeddings"), strict=True):
-            assert torch.allclose(a, b, atol=1e-6)
+            assert_close_normwise(a, b, eps_multiple=ORDER_EPS)
         numpy_out = plain.encode_multi_process(TEXTS, pool, normalize_embeddings=True)
         assert isinstance(numpy_out, np.ndarray)
-        assert np.allclose(numpy_out, encode(plain, TEXTS, normalize_embeddings=True).numpy(), atol=1e-6)
+        assert_close_normwise(
+            numpy_out, encode(plain, TEXTS, normalize_embeddings=True).numpy(),
+            eps_multiple=ORDER_EPS, rows=True
+        )
         with pytest.raises(ValueError, match="Pass either pool or device"):
             encode(plain, TEXTS, pool=pool, device="cpu")
         with pytest.raises(TypeError, match="pool must be what start_multi_process_pool"):

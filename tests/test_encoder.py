@@ -20,6 +20,7 @@ from conftest import (
     default_attention,
     randomize_lora_b,
 )
+from numerics import HAND_EPS, MERGE_EPS, ORDER_EPS, REFERENCE_EPS, assert_close_normwise
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
@@ -59,7 +60,7 @@ def test_llm2vec_parity_at_any_batch_size(fixture, case):
     for batch_size in (1, 3, 10):
         got = encoder.encode(case["inputs"], batch_size=batch_size, show_progress_bar=False)
         assert got.dtype == torch.float32
-        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (batch_size, (got - expected).abs().max())
+        assert_close_normwise(got, expected, eps_multiple=REFERENCE_EPS, rows=True, msg=(batch_size))
 
 
 def test_llm2vec_text_format():
@@ -85,7 +86,7 @@ def test_batch_invariance(family_checkpoint, family, pooling_mode):
     batched = encoder.encode(TEXTS, batch_size=len(TEXTS), show_progress_bar=False)
     for i, text in enumerate(TEXTS):
         alone = encoder.encode([text], show_progress_bar=False)[0]
-        assert torch.allclose(alone, batched[i], atol=1e-5, rtol=0), (family, pooling_mode, i)
+        assert_close_normwise(alone, batched[i], eps_multiple=ORDER_EPS, msg=(family, pooling_mode, i))
 
 
 def test_pooling_is_padding_side_agnostic():
@@ -103,7 +104,7 @@ def test_pooling_is_padding_side_agnostic():
         assert torch.allclose(plain, left, atol=1e-6) and torch.allclose(plain, right, atol=1e-6), mode
     # weighted_mean by hand: weights 1, 2, 3 over the span
     expected = (hidden[0, 2] * 1 + hidden[0, 3] * 2 + hidden[0, 4] * 3) / 6
-    assert torch.allclose(pool(hidden, mask, span, "weighted_mean")[0], expected, atol=1e-6)
+    assert_close_normwise(pool(hidden, mask, span, "weighted_mean")[0], expected, eps_multiple=HAND_EPS)
 
 
 def test_skip_instruction_excludes_instruction_tokens():
@@ -115,7 +116,7 @@ def test_skip_instruction_excludes_instruction_tokens():
     with torch.no_grad():
         hidden = encoder.model(input_ids=features["input_ids"], use_cache=False).last_hidden_state
         got = encoder(features)
-    assert torch.allclose(got[0], hidden[0, -n_text:].mean(0), atol=1e-6)
+    assert_close_normwise(got[0], hidden[0, -n_text:].mean(0), eps_multiple=HAND_EPS)
 
 
 def test_save_and_reload_gives_identical_embeddings(tmp_path):
@@ -151,23 +152,26 @@ def test_lora_adapter_round_trip_merged_and_unmerged(tmp_path):
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     unmerged = Encoder.from_pretrained(str(tmp_path / "adapter"))
     assert hasattr(unmerged.model, "peft_config")
-    assert torch.allclose(unmerged.encode(TEXTS, show_progress_bar=False), with_lora, atol=1e-5)
+    assert_close_normwise(unmerged.encode(TEXTS, show_progress_bar=False), with_lora, eps_multiple=MERGE_EPS, rows=True)
 
     merged = Encoder.from_pretrained(str(tmp_path / "adapter"), merge_peft=True)
     assert not hasattr(merged.model, "peft_config")
-    assert torch.allclose(merged.encode(TEXTS, show_progress_bar=False), with_lora, atol=1e-5)
+    assert_close_normwise(merged.encode(TEXTS, show_progress_bar=False), with_lora, eps_multiple=MERGE_EPS, rows=True)
 
     # LLM2Vec's way: base + peft_model_name_or_path, merged or not.
     for merge in (True, False):
         llm2vec_style = Encoder.from_pretrained(
             str(LLAMA_FIXTURE), peft_model_name_or_path=str(tmp_path / "adapter"), merge_peft=merge
         )
-        assert torch.allclose(llm2vec_style.encode(TEXTS, show_progress_bar=False), with_lora, atol=1e-5)
+        assert_close_normwise(
+            llm2vec_style.encode(TEXTS, show_progress_bar=False), with_lora,
+            eps_multiple=MERGE_EPS, rows=True
+        )
 
     encoder.save(str(tmp_path / "merged"), merge_before_save=True)
     assert (tmp_path / "merged" / "model.safetensors").exists()
     fully = Encoder.from_pretrained(str(tmp_path / "merged"))
-    assert torch.allclose(fully.encode(TEXTS, show_progress_bar=False), with_lora, atol=1e-5)
+    assert_close_normwise(fully.encode(TEXTS, show_progress_bar=False), with_lora, eps_multiple=MERGE_EPS, rows=True)
 
 
 def test_saving_merged_leaves_the_encoders_model_as_it_was(tmp_path):
@@ -220,16 +224,19 @@ def test_adapter_inside_base_folder_is_merged_first(tmp_path):
     loaded = Encoder.from_pretrained(str(tmp_path / "mntp"), torch_dtype=torch.float32)
     assert not hasattr(loaded.model, "peft_config")  # merged, as LLM2Vec does
     assert loaded.config.merged_adapters == (str(tmp_path / "mntp"),)
-    assert torch.allclose(loaded.encode(TEXTS, show_progress_bar=False), expected_mntp, atol=1e-5)
+    assert_close_normwise(
+        loaded.encode(TEXTS, show_progress_bar=False), expected_mntp,
+        eps_multiple=MERGE_EPS, rows=True
+    )
 
     supervised = _with_random_lora(loaded, seed=2)
     expected = supervised.encode(TEXTS, show_progress_bar=False)
     supervised.save(str(tmp_path / "supervised"))
     again = Encoder.from_pretrained(str(tmp_path / "mntp"), peft_model_name_or_path=str(tmp_path / "supervised"))
-    assert torch.allclose(again.encode(TEXTS, show_progress_bar=False), expected, atol=1e-5)
+    assert_close_normwise(again.encode(TEXTS, show_progress_bar=False), expected, eps_multiple=MERGE_EPS, rows=True)
     # The checkpoint alone restores base + MNTP merge + its adapter.
     alone = Encoder.from_pretrained(str(tmp_path / "supervised"))
-    assert torch.allclose(alone.encode(TEXTS, show_progress_bar=False), expected, atol=1e-5)
+    assert_close_normwise(alone.encode(TEXTS, show_progress_bar=False), expected, eps_multiple=MERGE_EPS, rows=True)
 
 
 def test_llm2vec_config_is_read_and_explicit_arguments_win(tmp_path):
@@ -263,10 +270,13 @@ def test_llm2vec_alias_and_argument_names():
     assert LLM2Vec is Encoder
     out = model.encode(case["inputs"], batch_size=8, show_progress_bar=False, convert_to_numpy=True)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
-    assert np.allclose(out, np.array(case["embeddings"]), atol=1e-4)
+    assert_close_normwise(out, np.array(case["embeddings"]), eps_multiple=REFERENCE_EPS, rows=True)
     # LLM2Vec's constructor: LLM2Vec(model, tokenizer, pooling_mode=..., max_length=...)
     wrapped = LLM2Vec(model.model, model.tokenizer, pooling_mode="mean", max_length=256, skip_instruction=True)
-    assert np.allclose(wrapped.encode(case["inputs"], show_progress_bar=False).numpy(), out, atol=1e-6)
+    assert_close_normwise(
+        wrapped.encode(case["inputs"], show_progress_bar=False).numpy(), out,
+        eps_multiple=ORDER_EPS, rows=True
+    )
 
 
 def test_llm2vec_positional_constructor_reproduces_the_parity_fixture():
@@ -281,7 +291,7 @@ def test_llm2vec_positional_constructor_reproduces_the_parity_fixture():
         wrapped = LLM2Vec(base.model, base.tokenizer, mode, length, case.get("doc_max_length", 400), skip)
         assert (wrapped.pooling_mode, wrapped.max_length, wrapped.skip_instruction) == (mode, length, skip)
         got = wrapped.encode(case["inputs"], batch_size=4, show_progress_bar=False)
-        assert torch.allclose(got, torch.tensor(case["embeddings"]), atol=1e-4, rtol=0), case
+        assert_close_normwise(got, torch.tensor(case["embeddings"]), eps_multiple=REFERENCE_EPS, rows=True, msg=case)
     short = LLM2Vec(base.model, base.tokenizer, "weighted_mean", 128, 64, False)
     assert (short.config.max_length, short.config.doc_max_length, short.config.skip_instruction) == (128, 64, False)
     assert Encoder(base.model, base.tokenizer, short.config).config == short.config
@@ -304,9 +314,12 @@ def test_get_pooling_is_forwards_pooling_and_leaves_the_features():
             hidden = encoder.model(input_ids=features["input_ids"], attention_mask=mask, position_ids=positions)
             hidden = hidden.last_hidden_state
             pooled = encoder.get_pooling(features, hidden)
-            assert torch.allclose(pooled, encoder(features), atol=1e-6), mode
+            assert_close_normwise(pooled, encoder(features), eps_multiple=ORDER_EPS, rows=True, msg=mode)
         assert all(torch.equal(features[k], before[k]) for k in before), mode
-        assert torch.allclose(pooled, encoder.encode(TEXTS, show_progress_bar=False), atol=1e-5), mode
+        assert_close_normwise(
+            pooled, encoder.encode(TEXTS, show_progress_bar=False),
+            eps_multiple=ORDER_EPS, rows=True, msg=mode
+        )
 
 
 def test_resize_token_embeddings_and_gradient_checkpointing_reach_the_backbone():
@@ -396,9 +409,9 @@ def test_empty_and_whitespace_texts_have_a_defined_embedding():
     features = encoder.tokenize([["Retrieve a document", ""]])
     with torch.no_grad():
         hidden = encoder.model(input_ids=features["input_ids"], use_cache=False).last_hidden_state
-    assert torch.allclose(out[2], hidden[0].mean(0), atol=1e-5)
+    assert_close_normwise(out[2], hidden[0].mean(0), eps_multiple=HAND_EPS)
     for i, item in enumerate(inputs):
-        assert torch.allclose(encoder.encode([item], show_progress_bar=False)[0], out[i], atol=1e-5)
+        assert_close_normwise(encoder.encode([item], show_progress_bar=False)[0], out[i], eps_multiple=ORDER_EPS)
 
 
 def test_long_text_is_truncated_on_the_text_side_with_one_warning(caplog):
@@ -426,8 +439,10 @@ def test_doc_max_length_cuts_texts_in_encode_only():
     text = "one two three four five six seven eight nine ten eleven twelve"
     tokens = encoder.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     cut = text[: tokens["offset_mapping"][7][1]]
-    assert torch.allclose(encoder.encode([text], show_progress_bar=False),
-                          encoder.encode([cut], show_progress_bar=False), atol=1e-6)
+    assert_close_normwise(
+        encoder.encode([text], show_progress_bar=False), encoder.encode([cut], show_progress_bar=False),
+        eps_multiple=ORDER_EPS, rows=True
+    )
     assert int(encoder.tokenize([text])["attention_mask"].sum()) == len(tokens["input_ids"]) + 1
 
 
@@ -446,10 +461,10 @@ def test_encode_options():
     encoder = encoder_for(LLAMA_FIXTURE)
     plain = encoder.encode(TEXTS, batch_size=2, show_progress_bar=False)
     budget = encoder.encode(TEXTS, max_tokens_per_batch=64, show_progress_bar=False)
-    assert torch.allclose(plain, budget, atol=1e-5)
+    assert_close_normwise(plain, budget, eps_multiple=ORDER_EPS, rows=True)
     normed = encoder.encode(TEXTS, normalize_embeddings=True, convert_to_tensor=True, show_progress_bar=False)
-    assert torch.allclose(normed.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)
-    assert torch.allclose(normed, torch.nn.functional.normalize(plain, dim=-1), atol=1e-5)
+    assert_close_normwise(normed.norm(dim=-1), torch.ones(len(TEXTS)), eps_multiple=HAND_EPS)
+    assert_close_normwise(normed, torch.nn.functional.normalize(plain, dim=-1), eps_multiple=HAND_EPS, rows=True)
     single = encoder.encode("Short.", show_progress_bar=False)
     assert single.shape == (64,) and torch.allclose(single, plain[2], atol=1e-5)
 
@@ -465,5 +480,5 @@ def test_persistent_worker_pool_matches_single_process():
         assert encoder._pool_workers is pool_obj  # workers persist across calls
     finally:
         encoder.stop_pool()
-    assert torch.allclose(first, expected, atol=1e-5)
-    assert torch.allclose(second, expected.flip(0), atol=1e-5)
+    assert_close_normwise(first, expected, eps_multiple=ORDER_EPS, rows=True)
+    assert_close_normwise(second, expected.flip(0), eps_multiple=ORDER_EPS, rows=True)

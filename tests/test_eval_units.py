@@ -7,6 +7,8 @@ import os
 import tempfile
 from types import SimpleNamespace
 
+from numerics import ORDER_EPS, assert_close_normwise
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
@@ -159,7 +161,7 @@ def test_cache_is_hit_on_the_second_pass_and_invalidated_by_model_or_settings(tm
     first, encoded = run(MTEBEncoder(encoder, cache=cache))
     assert encoded == 3  # the duplicate text is encoded once
     expected = encoder.encode([["", t] for t in texts], convert_to_numpy=True)
-    np.testing.assert_allclose(first, expected, atol=1e-5)
+    assert_close_normwise(first, expected, eps_multiple=ORDER_EPS, rows=True)
     second, encoded = run(MTEBEncoder(encoder, cache=EmbeddingCache(str(tmp_path / "cache"))))
     assert encoded == 0
     np.testing.assert_array_equal(second, first)

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import DREAM_FIXTURE, FAMILIES, default_attention
+from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 from safetensors.torch import load_file, save_file
 
 import diffusion_embedder.backbones as backbones
@@ -72,7 +73,7 @@ def test_empty_text_is_finite_and_batch_independent(encoders, family):
                 for name, out in runs.items():
                     where = (family, mode, skip_instruction, i, name)
                     assert torch.isfinite(out).all() and out.abs().sum(-1).min() > 0, where  # never a zero vector
-                    assert torch.allclose(alone, out[i], atol=1e-5, rtol=0), where
+                    assert_close_normwise(alone, out[i], eps_multiple=ORDER_EPS, msg=where)
 
 
 @pytest.mark.parametrize("family", BACKBONES)
@@ -84,7 +85,7 @@ def test_empty_text_is_the_documented_one_token_row(encoders, family):
     assert placeholder_token(tokenizer) == expected_id
     with torch.no_grad():
         state = encoder.model(input_ids=torch.tensor([[expected_id]]), use_cache=False).last_hidden_state[0, 0]
-    assert torch.allclose(encoder.encode([""], show_progress_bar=False)[0], state, atol=1e-5, rtol=0)
+    assert_close_normwise(encoder.encode([""], show_progress_bar=False)[0], state, eps_multiple=HAND_EPS)
     assert encoder.tokenize([""])["attention_mask"].sum() == 1
 
 

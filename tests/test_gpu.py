@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention, randomize_lora_b
+from numerics import GRAD_EPS, ORDER_EPS, assert_close_normwise
 from test_bidirectional import REFUSED_AT_LOAD, check_no_causal_path
 from test_bidirectional import cases as attention_cases
 from test_grad_cache import (
@@ -37,6 +38,12 @@ pytestmark = [
 ]
 
 TEXTS = MIXED_TEXTS
+#: Float32 on CUDA with TF32 off (the fixture below): cuBLAS and the attention kernels pick other reduction orders
+#: per shape (split-K, tiling), so two shapes of one computation differ by more roundings than on the CPU. Not yet
+#: measured on a GPU: 8x the CPU bounds (numerics.py), still ~1e-4 norm-relative at most, where a wrong scale or a
+#: dropped chunk is ~1e-2. NUMERICS_LOG=file records the observed errors (make test-gpu) to set them from a run.
+CUDA_ORDER_EPS = 8 * ORDER_EPS
+CUDA_GRAD_EPS = 8 * GRAD_EPS
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +83,7 @@ def test_sdpa_flex_and_eager_agree(family_checkpoint, family):
         for attn in ("sdpa", "flex_attention", "eager")
     }
     for attn in ("flex_attention", "eager"):
-        assert torch.allclose(outputs[attn], outputs["sdpa"], atol=1e-4, rtol=0), attn
+        assert_close_normwise(outputs[attn], outputs["sdpa"], eps_multiple=CUDA_ORDER_EPS, rows=True, msg=attn)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -110,7 +117,7 @@ def test_packed_equals_padded_on_gpu(attn, bidirectional):
         encoder = Encoder(base.model, base.tokenizer, replace(base.config, pooling_mode=mode, eos_suffix=None))
         padded = encoder.encode(TEXTS, batch_size=2, packing=False, show_progress_bar=False)
         packed = encoder.encode(TEXTS, max_tokens_per_batch=48, packing=True, show_progress_bar=False)
-        assert torch.allclose(packed, padded, atol=1e-4, rtol=0), (attn, mode, (packed - padded).abs().max())
+        assert_close_normwise(packed, padded, eps_multiple=CUDA_ORDER_EPS, rows=True, msg=(attn, mode))
 
 
 def test_device_pool_over_every_gpu_equals_one_device():
@@ -121,7 +128,7 @@ def test_device_pool_over_every_gpu_equals_one_device():
         pooled = encoder.encode(TEXTS * 4, batch_size=2, device=devices, show_progress_bar=False)
     finally:
         encoder.stop_pool()
-    assert torch.allclose(pooled, one, atol=1e-5, rtol=0)
+    assert_close_normwise(pooled, one, eps_multiple=CUDA_ORDER_EPS, rows=True)
 
 
 # --------------------------------------------------------------------------------------- GradCache on CUDA
@@ -136,19 +143,19 @@ def test_grad_cache_replays_each_chunk_bit_for_bit_on_cuda(tmp_path, dropout, dt
 
 @pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
 def test_grad_cache_without_dropout_equals_the_direct_step_on_cuda(tmp_path, pack_length):
-    check_equals_direct(built(tmp_path, "cuda", lora_dropout=0.0), pack_length, atol=1e-4)
+    check_equals_direct(built(tmp_path, "cuda", lora_dropout=0.0), pack_length, CUDA_GRAD_EPS)
 
 
 @pytest.mark.parametrize("pack_length", [None, PACK_LENGTH], ids=["padded", "packed"])
 @pytest.mark.parametrize("dropout", list(DROPOUTS))
 def test_grad_cache_with_dropout_equals_a_direct_step_with_the_same_masks_on_cuda(tmp_path, dropout, pack_length):
-    check_same_masks(built(tmp_path, "cuda", **DROPOUTS[dropout]), pack_length, atol=1e-4)
+    check_same_masks(built(tmp_path, "cuda", **DROPOUTS[dropout]), pack_length, CUDA_GRAD_EPS)
 
 
 def test_grad_cache_with_activation_checkpointing_on_cuda(tmp_path):
     plain = built(tmp_path / "plain", "cuda", **BOTH_DROPOUTS)
     checkpointed = built(tmp_path / "checkpointed", "cuda", gradient_checkpointing=True, **BOTH_DROPOUTS)
-    check_checkpointing(plain, checkpointed, atol=1e-4)
+    check_checkpointing(plain, checkpointed, CUDA_GRAD_EPS)
 
 
 def test_nan_check_reduces_a_cuda_tensor(tmp_path, monkeypatch):

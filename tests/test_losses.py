@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from numerics import assert_close_normwise
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -122,20 +123,26 @@ def two_rank_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+#: Norm-relative bound (float32 eps) on loss and gradients, two ranks against one process. Measured on an AMD EPYC
+#: (ATen AVX2; ATen default; oneDNN SSE4.1 one thread): at most 0.80 eps; the Intel AVX-512 failure of atol=1e-6 on
+#: hardneg_k1's loss was one float32 rounding. 16 leaves 20x; the gathered gradient scaled by 1.0001 measured 839 eps.
+DDP_EPS = 16
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_process_equals_single_process(two_rank_results, case):
     """Same loss on every rank as one process on the concatenated batch; DDP-averaged grads equal too."""
     ref = reference(case)
     for rank, results in enumerate(two_rank_results):
         got = results[case]
-        torch.testing.assert_close(got["loss"], ref["loss"], atol=1e-6, rtol=0)
+        assert_close_normwise(got["loss"], ref["loss"], eps_multiple=DDP_EPS, msg=(case, rank, "loss"))
         # DDP averages the weight gradient over ranks: that must be the single-process gradient.
-        torch.testing.assert_close(got["weight_grad"], ref["weight_grad"], atol=1e-6, rtol=0)
+        assert_close_normwise(got["weight_grad"], ref["weight_grad"], eps_multiple=DDP_EPS, msg=(case, rank, "grad"))
         start = sum(RANK_SIZES[:rank])
         rows = slice(start, start + RANK_SIZES[rank])
         for mine, full in zip(got["rep_grads"], ref["rep_grads"], strict=True):
             # Local embedding gradients are world_size x the global loss gradient (DDP's mean divides it back).
-            torch.testing.assert_close(mine / 2, full[rows], atol=1e-6, rtol=0)
+            assert_close_normwise(mine / 2, full[rows], eps_multiple=DDP_EPS, msg=(case, rank, "rep grad"))
 
 
 def test_gather_unequal_sizes_in_rank_order(two_rank_results):
@@ -149,6 +156,10 @@ def test_gather_is_identity_without_distributed():
     assert all_gather_with_grad(x) is x
 
 
+#: Float32 losses against a float64 hand computation or another float32 order: measured 0-1.84 eps (AMD EPYC).
+HAND_EPS = 16
+
+
 def test_hard_negative_matches_hand_computation():
     torch.manual_seed(1)
     q, p, n = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
@@ -158,7 +169,7 @@ def test_hard_negative_matches_hand_computation():
     for i in range(3):
         sims = [50.0 * float(F.cosine_similarity(q[i], d, dim=0)) for d in docs]
         total += -sims[i] + math.log(sum(math.exp(s) for s in sims))
-    assert loss.item() == pytest.approx(total / 3, abs=1e-5)
+    assert_close_normwise(loss, total / 3, eps_multiple=HAND_EPS)
 
 
 def test_hard_negative_stacks_all_negatives():
@@ -171,8 +182,8 @@ def test_hard_negative_stacks_all_negatives():
     flat = torch.cat([p, torch.stack(negs, 1).flatten(0, 1)])
     scores = F.normalize(q, dim=-1) @ F.normalize(flat, dim=-1).T * 10.0
     expected = F.cross_entropy(scores, torch.arange(2))
-    torch.testing.assert_close(as_list, expected)
-    torch.testing.assert_close(as_tensor, expected)
+    assert_close_normwise(as_list, expected, eps_multiple=HAND_EPS)
+    assert_close_normwise(as_tensor, expected, eps_multiple=HAND_EPS)
 
 
 def test_repllama_matches_hand_computation():
@@ -187,7 +198,7 @@ def test_repllama_matches_hand_computation():
         for i in range(2):
             logits = [float(q[i] @ x[i]) / divisor for x in [p, *negs]]
             total += -logits[0] + math.log(sum(math.exp(v) for v in logits))
-        assert loss.item() == pytest.approx(total / 2, abs=1e-5)
+        assert_close_normwise(loss, total / 2, eps_multiple=HAND_EPS, msg=scale_by_dim)
 
 
 def test_repllama_in_batch_uses_every_passage():
@@ -196,7 +207,7 @@ def test_repllama_in_batch_uses_every_passage():
     loss = RepllamaLoss(scale_by_dim=False, in_batch_negatives=True)(q, p, n)
     passages = torch.stack([p[0], n[0], p[1], n[1]])
     expected = F.cross_entropy(q @ passages.T, torch.tensor([0, 2]))
-    torch.testing.assert_close(loss, expected)
+    assert_close_normwise(loss, expected, eps_multiple=HAND_EPS)
 
 
 def test_bad_shapes_and_names_are_named():

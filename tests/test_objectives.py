@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import HAND_EPS, assert_close_normwise
 
 from diffusion_embedder.objectives import (
     OBJECTIVES,
@@ -48,14 +49,14 @@ def mask(*positions: tuple[int, int]) -> torch.Tensor:
 def test_mntp_loss_predicts_each_masked_token_from_the_previous_position():
     masked = mask((0, 2), (1, 1), (1, 3))
     expected = (ce(0, 1, IDS[0, 2]) + ce(1, 0, IDS[1, 1]) + ce(1, 2, IDS[1, 3])) / 3
-    assert mntp_loss(LOGITS, IDS, masked).item() == pytest.approx(expected, abs=1e-6)
+    assert_close_normwise(mntp_loss(LOGITS, IDS, masked), expected, eps_multiple=HAND_EPS)
 
 
 def test_mntp_loss_ignores_padding_and_refuses_a_masked_first_position():
     masked = mask((0, 2), (1, 1), (1, 3))
     attention = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # (1, 3) is padding: never counts
     expected = (ce(0, 1, IDS[0, 2]) + ce(1, 0, IDS[1, 1])) / 2
-    assert mntp_loss(LOGITS, IDS, masked, attention).item() == pytest.approx(expected, abs=1e-6)
+    assert_close_normwise(mntp_loss(LOGITS, IDS, masked, attention), expected, eps_multiple=HAND_EPS)
     with pytest.raises(ValueError, match="position 0"):
         mntp_loss(LOGITS, IDS, mask((0, 0), (1, 2)))
     empty = mntp_loss(LOGITS.clone().requires_grad_(), IDS, mask())
@@ -66,7 +67,7 @@ def test_mdm_loss_shifted_is_dreams_alignment():
     masked = mask((0, 1), (0, 3), (1, 2))
     t = torch.tensor([0.5, 0.25])
     expected = (ce(0, 0, IDS[0, 1]) / 0.5 + ce(0, 2, IDS[0, 3]) / 0.5 + ce(1, 1, IDS[1, 2]) / 0.25) / (2 * 4)
-    assert mdm_loss(LOGITS, IDS, masked, t, shift=True).item() == pytest.approx(expected, abs=1e-6)
+    assert_close_normwise(mdm_loss(LOGITS, IDS, masked, t, shift=True), expected, eps_multiple=HAND_EPS)
     with pytest.raises(ValueError, match="position 0"):
         mdm_loss(LOGITS, IDS, mask((1, 0)), t, shift=True)
 
@@ -75,7 +76,7 @@ def test_mdm_loss_unshifted_is_lladas_alignment():
     masked = mask((0, 0), (0, 3), (1, 2))
     t = torch.tensor([0.5, 0.25])
     expected = (ce(0, 0, IDS[0, 0]) / 0.5 + ce(0, 3, IDS[0, 3]) / 0.5 + ce(1, 2, IDS[1, 2]) / 0.25) / (2 * 4)
-    assert mdm_loss(LOGITS, IDS, masked, t, shift=False).item() == pytest.approx(expected, abs=1e-6)
+    assert_close_normwise(mdm_loss(LOGITS, IDS, masked, t, shift=False), expected, eps_multiple=HAND_EPS)
 
 
 def test_mdm_loss_with_padding_divides_by_real_tokens_and_skips_masked_padding():
@@ -83,17 +84,17 @@ def test_mdm_loss_with_padding_divides_by_real_tokens_and_skips_masked_padding()
     attention = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])  # left padding in row 1: (1, 0) never counts
     t = torch.tensor([0.8, 0.4])
     expected = (ce(0, 1, IDS[0, 1]) / 0.8 + ce(1, 2, IDS[1, 2]) / 0.4) / 7
-    assert mdm_loss(LOGITS, IDS, masked, t, shift=False, attention_mask=attention).item() == pytest.approx(
-        expected, abs=1e-6
+    assert_close_normwise(
+        mdm_loss(LOGITS, IDS, masked, t, shift=False, attention_mask=attention), expected, eps_multiple=HAND_EPS
     )
 
 
 def test_clm_loss_by_hand_with_and_without_padding():
     full = sum(ce(b, i - 1, IDS[b, i]) for b in range(2) for i in range(1, 4)) / 6
-    assert clm_loss(LOGITS, IDS).item() == pytest.approx(full, abs=1e-6)
+    assert_close_normwise(clm_loss(LOGITS, IDS), full, eps_multiple=HAND_EPS)
     attention = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])  # row 1: only token 3 has a real predecessor
     padded = (sum(ce(0, i - 1, IDS[0, i]) for i in range(1, 4)) + ce(1, 2, IDS[1, 3])) / 4
-    assert clm_loss(LOGITS, IDS, attention).item() == pytest.approx(padded, abs=1e-6)
+    assert_close_normwise(clm_loss(LOGITS, IDS, attention), padded, eps_multiple=HAND_EPS)
 
 
 def test_objective_registry_routes_options_to_masker_and_loss():

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
+from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 
 from diffusion_embedder import Encoder
 from diffusion_embedder import packing as packing_mod
@@ -36,7 +37,7 @@ def test_packed_equals_padded_for_every_pooling_mode(family_checkpoint, family):
         encoder = with_pooling(base, mode)
         padded = encoder.encode(TEXTS, batch_size=len(TEXTS), packing=False, show_progress_bar=False)
         packed = encoder.encode(TEXTS, max_tokens_per_batch=PACK_LENGTH, packing=True, show_progress_bar=False)
-        assert torch.allclose(packed, padded, atol=1e-5, rtol=0), (family, mode, (packed - padded).abs().max())
+        assert_close_normwise(packed, padded, eps_multiple=ORDER_EPS, rows=True, msg=(family, mode))
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -46,9 +47,9 @@ def test_packed_equals_padded_per_attention_and_direction(attn, bidirectional):
     encoder = load(LLAMA_FIXTURE, attn_implementation=attn, enable_bidirectional=bidirectional)
     padded = encoder.encode(TEXTS, batch_size=2, packing=False, show_progress_bar=False)
     packed = encoder.encode(TEXTS, max_tokens_per_batch=PACK_LENGTH, packing=True, show_progress_bar=False)
-    assert torch.allclose(packed, padded, atol=1e-5, rtol=0), (packed - padded).abs().max()
+    assert_close_normwise(packed, padded, eps_multiple=ORDER_EPS, rows=True, msg=(packed - padded).abs().max())
     one_row = encoder.encode(TEXTS, max_tokens_per_batch=10_000, packing=True, show_progress_bar=False)
-    assert torch.allclose(one_row, padded, atol=1e-5, rtol=0)
+    assert_close_normwise(one_row, padded, eps_multiple=ORDER_EPS, rows=True)
 
 
 def test_no_attention_across_packed_texts():
@@ -62,7 +63,7 @@ def test_no_attention_across_packed_texts():
             ids = encoder.tokenize([text])["input_ids"]
             hidden = encoder.model(input_ids=ids, use_cache=False).last_hidden_state[0]
             span = int(encoder.tokenize([text])["embed_mask"].sum())
-            assert torch.allclose(packed[i], hidden[-span:].mean(0), atol=1e-5), i
+            assert_close_normwise(packed[i], hidden[-span:].mean(0), eps_multiple=HAND_EPS, msg=i)
 
 
 def test_pack_rows_and_features_layout():
@@ -175,7 +176,7 @@ def test_bounded_cuda_shapes_equal_padded_on_cpu(family_checkpoint, family):
     padded = encoder.encode(texts, batch_size=5, packing=False, show_progress_bar=False)
     for plan in (BatchPlan(3, None, True, "cuda"), BatchPlan(4, 600, True, "cuda")):
         shapes, packed = planned_shapes(encoder, texts, plan)
-        assert torch.allclose(packed, padded, atol=1e-5, rtol=0), (family, plan, (packed - padded).abs().max())
+        assert_close_normwise(packed, padded, eps_multiple=ORDER_EPS, rows=True, msg=(family, plan))
         assert all(rows & (rows - 1) == 0 and width & (width - 1) == 0 for rows, width in shapes), shapes
 
 

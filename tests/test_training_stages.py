@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import HAND_EPS, assert_close_normwise
 from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder
@@ -128,7 +129,7 @@ def test_encoder_merges_the_mntp_adapter(mntp_run):
     assert b.abs().max() > 0  # trained (LoRA's B starts at zero)
     base = load_file(LLAMA / "model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
     merged = encoder.model.layers[0].self_attn.q_proj.weight.detach()
-    torch.testing.assert_close(merged, base + b @ a * (8 / 4), atol=1e-6, rtol=0)
+    assert_close_normwise(merged, base + b @ a * (8 / 4), eps_multiple=HAND_EPS)
 
 
 def test_supervised_run_starts_from_the_mntp_output(mntp_run, tmp_path):
@@ -190,7 +191,7 @@ def test_simcse_loss_is_hard_negative_nll_on_two_dropout_views(tmp_path):
     assert not torch.allclose(q, p)  # the same texts, two dropout masks
     scores = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(p, dim=-1).T * 20.0
     by_hand = (torch.logsumexp(scores, dim=1) - scores.diag()).mean()
-    torch.testing.assert_close(loss, by_hand, atol=1e-5, rtol=0)
+    assert_close_normwise(loss, by_hand, eps_multiple=HAND_EPS)
     encoder.eval()
     torch.testing.assert_close(encoder(batch["query"]), encoder(batch["positive"]))
 

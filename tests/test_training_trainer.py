@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import randomize_lora_b
+from numerics import GRAD_EPS, MERGE_EPS, ORDER_EPS, assert_all_close_normwise, assert_close_normwise
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 
 from diffusion_embedder import Encoder
 from diffusion_embedder.data import ContrastiveCollator, Custom, TrainSample
 from diffusion_embedder.losses import HardNegativeNLLLoss, RepllamaLoss
 from diffusion_embedder.training.arguments import validate
-from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, find_last_checkpoint
+from diffusion_embedder.training.checkpoints import COMPLETE_MARKER, TRAINABLE_WEIGHTS, find_last_checkpoint
 from diffusion_embedder.training.supervised import prepare_encoder
 from diffusion_embedder.training.trainer import EncoderTrainer, NonFiniteLossError
 
@@ -66,11 +68,11 @@ def step_grads(trainer: EncoderTrainer, inputs, chunk: int | None, seed: int = 0
     return loss, grads
 
 
-def assert_same(a, b, atol=1e-5):
-    torch.testing.assert_close(a[0], b[0], atol=atol, rtol=0)
+def assert_same(a, b):
+    """Loss and every trainable gradient tensor, each norm-relative (numerics.GRAD_EPS)."""
+    assert_close_normwise(a[0], b[0], eps_multiple=GRAD_EPS, msg="loss")
     assert a[1].keys() == b[1].keys() and len(a[1]) > 0
-    for name in a[1]:
-        torch.testing.assert_close(a[1][name], b[1][name], atol=atol, rtol=1e-4, msg=name)
+    assert_all_close_normwise(a[1], b[1], eps_multiple=GRAD_EPS, msg="grad")
 
 
 def test_grad_cache_equals_direct_path(tmp_path):
@@ -106,7 +108,7 @@ def test_negatives_reach_the_loss_as_b_k_d_in_sample_order(tmp_path):
         assert negatives.shape == (3, 2, trainer.model.embedding_dim)
         for i, sample in enumerate(batch):
             alone = trainer.model(trainer.model.tokenize([list(n) for n in sample.negatives]))
-            torch.testing.assert_close(negatives[i], alone, atol=1e-5, rtol=0)
+            assert_close_normwise(negatives[i], alone, eps_multiple=ORDER_EPS, rows=True)
 
 
 def test_grad_cache_replays_dropout(tmp_path):
@@ -133,28 +135,60 @@ def test_training_follows_homogeneous_order(tmp_path):
     assert step + 1 == len(dataset) // 4
 
 
-class NaNAtCall:
-    def __init__(self, call: int):
-        self.call, self.calls, self.loss = call, 0, HardNegativeNLLLoss()
+class BadLossAtCall:
+    """The loss, multiplied by ``bad`` (NaN, inf or -inf) at the ``call``-th call."""
+
+    def __init__(self, call: int, bad: float = float("nan")):
+        self.call, self.calls, self.bad, self.loss = call, 0, bad, HardNegativeNLLLoss()
 
     def __call__(self, *args):
         self.calls += 1
         loss = self.loss(*args)
-        return loss * float("nan") if self.calls == self.call else loss
+        return loss * self.bad if self.calls == self.call else loss
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("chunk", [None, 2])
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, chunk):
+def test_non_finite_loss_stops_before_the_step_and_keeps_last_good_checkpoint(tmp_path, chunk, bad):
+    """NaN, inf and -inf alike: the run stops at step 5 before the optimizer touches the weights (they are still
+    checkpoint-4's, bit for bit), and the message names checkpoint-2, the last one whose next loss was finite."""
     trainer = make_trainer(
-        tmp_path, loss_fn=NaNAtCall(5), max_steps=8, save_steps=2, learning_rate=1e-3, grad_cache_chunk_size=chunk
+        tmp_path, loss_fn=BadLossAtCall(5, float(bad)), max_steps=8, save_steps=2, learning_rate=1e-3,
+        grad_cache_chunk_size=chunk,
     )
     trainer.grad_cache_chunk_size = chunk
-    # checkpoint-4 is written but never called good: the loss computed with its weights (step 5) is NaN.
-    with pytest.raises(NonFiniteLossError, match="Loss is nan at optimizer step 5.*checkpoint is .*checkpoint-2;"):
+    # checkpoint-4 is written but never called good: the loss computed with its weights (step 5) is not finite.
+    with pytest.raises(NonFiniteLossError, match=f"Loss is {bad} at optimizer step 5.*checkpoint is .*checkpoint-2;"):
         trainer.train()
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
     assert find_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
-    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    saved = load_file(tmp_path / "checkpoint-4" / TRAINABLE_WEIGHTS)
+    trainable = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert saved.keys() == trainable.keys()
+    assert all(torch.equal(trainable[n], saved[n]) for n in saved)  # step 5 never reached the weights
+
+
+def complete_checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in run.glob("checkpoint-*") if (p / COMPLETE_MARKER).is_file())
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_save_total_limit_keeps_exactly_that_many_complete_checkpoints_the_newest(tmp_path, limit):
+    """8 steps, a checkpoint every 2: the newest ``limit`` remain, each complete, and nothing else."""
+    make_trainer(tmp_path, max_steps=8, save_steps=2, save_total_limit=limit).train()
+    newest = ["checkpoint-6", "checkpoint-8"][-limit:]
+    assert sorted(os.listdir(tmp_path)) == newest
+    assert complete_checkpoints(tmp_path) == newest
+
+
+def test_save_total_limit_never_rotates_out_the_last_good_checkpoint(tmp_path):
+    """With a limit of 1, checkpoint-4 (written, never called good: step 5's loss is NaN) does not replace
+    checkpoint-2: rotation waits for the marker, so the checkpoint the stop message names is still there."""
+    trainer = make_trainer(tmp_path, loss_fn=BadLossAtCall(5), max_steps=8, save_steps=2, save_total_limit=1)
+    with pytest.raises(NonFiniteLossError, match="checkpoint is .*checkpoint-2;"):
+        trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+    assert complete_checkpoints(tmp_path) == ["checkpoint-2"]
 
 
 def test_find_last_checkpoint_skips_half_written(tmp_path):
@@ -195,7 +229,7 @@ def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path):
     base = Encoder.from_pretrained(str(LLAMA), device="cpu", skip_instruction=False)
     text = [["Find it;", "a quiet violin"]]
     ours = encoder.encode(text, show_progress_bar=False)
-    torch.testing.assert_close(ours, reference.encode(text, show_progress_bar=False))
+    assert_close_normwise(ours, reference.encode(text, show_progress_bar=False), eps_multiple=MERGE_EPS, rows=True)
     assert (ours - base.encode(text, show_progress_bar=False)).abs().max() > 1e-3  # the merge changed the model
 
 
