@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import DREAM_FIXTURE, FAMILIES, LLADA_FIXTURE, LLAMA_FIXTURE, MIXED_TEXTS, ROOT
+from numerics import HAND_EPS, ORDER_EPS, REFERENCE_EPS, assert_close_normwise
 from transformers import AttentionInterface
 
 from diffusion_embedder import Encoder, packing, varlen
@@ -66,7 +67,7 @@ def test_packed_varlen_equals_padded_sdpa_for_every_family_and_pooling_mode(fami
         assert calls and all(given for _, given, _ in calls)  # the packing's offsets reached the attention
         padded = pooled.encode(TEXTS, batch_size=3, packing=False, show_progress_bar=False)
         for got in (packed, padded):
-            assert torch.allclose(got, expected, atol=1e-5, rtol=0), (family, mode, (got - expected).abs().max())
+            assert_close_normwise(got, expected, eps_multiple=ORDER_EPS, rows=True, msg=(family, mode))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "Dream", "llada"])
@@ -78,7 +79,7 @@ def test_causal_varlen_equals_causal_sdpa(family_checkpoint, family, calls):
     calls.clear()
     for kwargs in (PACK, {"packing": False, "batch_size": 3}):
         got = fast.encode(TEXTS, show_progress_bar=False, **kwargs)
-        assert torch.allclose(got, expected, atol=1e-5, rtol=0), (family, kwargs, (got - expected).abs().max())
+        assert_close_normwise(got, expected, eps_multiple=ORDER_EPS, rows=True, msg=(family, kwargs))
     assert calls and all(causal for causal, _, _ in calls)
 
 
@@ -92,7 +93,7 @@ def test_the_parity_fixtures_hold_with_varlen():
             expected = torch.tensor(case["embeddings"])
             for kwargs in ({"batch_size": 3, "packing": False}, PACK):
                 got = encoder.encode(case["inputs"], show_progress_bar=False, **kwargs)
-                assert torch.allclose(got, expected, atol=1e-4, rtol=0), (fixture.name, (got - expected).abs().max())
+                assert_close_normwise(got, expected, eps_multiple=REFERENCE_EPS, rows=True, msg=fixture.name)
     for fixture in (DREAM_FIXTURE, LLADA_FIXTURE):
         cases = json.loads((fixture / "cases.json").read_text())
         for bidirectional, key in ((True, "last_hidden_state"), (False, "last_hidden_state_causal")):
@@ -102,7 +103,8 @@ def test_the_parity_fixtures_hold_with_varlen():
             for case in cases:
                 with torch.no_grad():
                     out = model(input_ids=torch.tensor(case["input_ids"]), use_cache=False).last_hidden_state
-                assert torch.allclose(out, torch.tensor(case[key]), atol=1e-4, rtol=0), (fixture.name, key)
+                assert_close_normwise(out, torch.tensor(case[key]), eps_multiple=REFERENCE_EPS, rows=True,
+                                      msg=(fixture.name, key))
 
 
 def test_offsets_of_packed_rows():
@@ -127,7 +129,7 @@ def test_the_lm_stages_model_runs_on_varlen():
                                lm_head=True)
             with torch.no_grad():
                 logits[attn] = lm(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-        torch.testing.assert_close(logits["varlen"], logits["sdpa"], atol=1e-5, rtol=0)
+        assert_close_normwise(logits["varlen"], logits["sdpa"], eps_multiple=ORDER_EPS, rows=True, msg=bidirectional)
 
 
 # --------------------------------------------------------------------------------------------- glue
@@ -242,7 +244,7 @@ def test_the_kernel_is_called_in_each_torch_releases_form(monkeypatch, signature
     cu = torch.tensor([0, 4, 5, 9])
     scale = 0.3  # not 1/sqrt(8): a release without ``scale`` gets a scaled query instead
     out = varlen.attend(q, k, v, cu, cu, 4, 4, causal, scale)
-    torch.testing.assert_close(out.double(), reference(q, k, v, cu, causal, scale), atol=1e-6, rtol=0)
+    assert_close_normwise(out, reference(q, k, v, cu, causal, scale), eps_multiple=HAND_EPS, rows=True, msg=signature)
     call = seen[0]
     assert call["cu_dtype"] == torch.int32 and call["max"] == (4, 4)
     assert call["kv_heads"] == (2 if signature == "2.13" else 4) and call["enable_gqa"] == (signature == "2.13")
@@ -259,7 +261,7 @@ def test_the_reference_path_equals_attention_written_out():
     cu = torch.tensor([0, 4, 4, 5, 9])  # an empty sequence too
     for causal in (False, True):
         out = varlen.attend(q, k, v, cu, cu, 4, 4, causal, 0.3)
-        torch.testing.assert_close(out.double(), reference(q, k, v, cu, causal, 0.3), atol=1e-6, rtol=0)
+        assert_close_normwise(out, reference(q, k, v, cu, causal, 0.3), eps_multiple=HAND_EPS, rows=True, msg=causal)
 
 
 def test_why_the_kernel_cannot_run():
@@ -283,7 +285,7 @@ def test_packed_sdpa_inference_dispatches_to_varlen_where_the_kernel_runs(monkey
     pretend_the_kernel_runs(monkeypatch)
     got = encoder.encode(TEXTS, show_progress_bar=False, **PACK)
     assert calls and all(given for _, given, _ in calls)
-    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    assert_close_normwise(got, expected, eps_multiple=ORDER_EPS, rows=True)
     assert encoder.model.config._attn_implementation == "sdpa"  # for that forward only
     calls.clear()
     features = encoder.tokenize(TEXTS, pack_length=64)
