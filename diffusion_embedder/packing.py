@@ -116,7 +116,9 @@ def pack(
     ``unpack_index`` (B, T) into the flattened rows and the padded path's ``attention_mask`` and
     ``embed_mask`` (B, T), left-aligned exactly as ``Encoder.tokenize`` lays them out. Rows are as
     wide as the fullest one; ``bounded`` makes them ``capacity`` wide and their number a power of two
-    (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``).
+    (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``). Where every row holds one
+    whole text and no padding, ``segment_ids`` is left out: the forward then needs no mask, which it can tell
+    from the keys without reading the device.
     """
     lengths = [len(ids) for ids, _ in sequences]
     rows = pack_rows(lengths, capacity)
@@ -147,7 +149,7 @@ def pack(
             if span:
                 embed_mask[i, longest - span :] = 1
             start += n
-    return {
+    features = {
         "input_ids": input_ids,
         "position_ids": position_ids,
         "segment_ids": segment_ids,
@@ -155,6 +157,9 @@ def pack(
         "attention_mask": attention_mask,
         "embed_mask": embed_mask,
     }
+    if n_rows == len(rows) and all(len(row) == 1 and lengths[row[0]] == width for row in rows):
+        del features["segment_ids"]  # one whole text per row: no mask (``packed_hidden``), decided here on the host
+    return features
 
 
 def unpack_sequences(features: dict[str, torch.Tensor]) -> list[tuple[list[int], int]]:
@@ -168,17 +173,94 @@ def unpack_sequences(features: dict[str, torch.Tensor]) -> list[tuple[list[int],
     return out
 
 
+#: The key of a column packed chunk by chunk (``pack_chunks``): its shape, (chunks, texts per chunk), is the layout
+#: ``split_packed`` cuts by; its values (True for a text, False for an empty slot of the last chunk) are never read.
+CHUNKS_KEY = "pack_chunks"
+
+
+def segments_of(features: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The segment ids of host-side packed features (``pack``'s; rebuilt where ``pack`` left them out)."""
+    if "segment_ids" in features:
+        return features["segment_ids"]
+    rows, width = features["input_ids"].shape
+    segments = (-1 - torch.arange(width)).repeat(rows, 1).reshape(-1)
+    for i, (index, mask) in enumerate(zip(features[PACKED_KEY], features["attention_mask"].bool(), strict=True)):
+        segments[index[mask]] = i
+    return segments.view(rows, width)
+
+
+def pack_chunks(chunks: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Host-side packed features of consecutive chunks of texts (``pack``'s, one per chunk, all but the last of
+    the same number of texts) laid one after another: each chunk in as many rows as the fullest (padding rows
+    after), every row as wide as the widest, so chunk c is rows ``c*R`` to ``(c+1)*R`` and texts ``c*k`` to
+    ``(c+1)*k``. ``split_packed`` then cuts it by shape alone, without reading the device (GradCache's chunks).
+    """
+    k = chunks[0]["attention_mask"].shape[0]
+    rows = max(c["input_ids"].shape[0] for c in chunks)
+    width = max(c["input_ids"].shape[1] for c in chunks)
+    longest = max(c["attention_mask"].shape[1] for c in chunks)
+    texts = sum(c["attention_mask"].shape[0] for c in chunks)
+    input_ids = torch.zeros((len(chunks) * rows, width), dtype=torch.long)
+    position_ids = torch.zeros_like(input_ids)
+    segment_ids = (-1 - torch.arange(width)).repeat(len(chunks) * rows, 1)
+    unpack_index = torch.zeros((texts, longest), dtype=torch.long)
+    attention_mask, embed_mask = torch.zeros_like(unpack_index), torch.zeros_like(unpack_index)
+    slots = torch.zeros((len(chunks), k), dtype=torch.bool)
+    for c, chunk in enumerate(chunks):
+        r, w = chunk["input_ids"].shape
+        n, t = chunk["attention_mask"].shape
+        first, text = c * rows, c * k
+        input_ids[first : first + r, :w] = chunk["input_ids"]
+        position_ids[first : first + r, :w] = chunk["position_ids"]
+        segment_ids[first : first + r, :w] = segments_of(chunk)
+        index = chunk[PACKED_KEY]
+        unpack_index[text : text + n] = first * width  # padding slots point at the chunk's first position
+        unpack_index[text : text + n, longest - t :] = (first + index // w) * width + index % w
+        attention_mask[text : text + n, longest - t :] = chunk["attention_mask"]
+        embed_mask[text : text + n, longest - t :] = chunk["embed_mask"]
+        slots[c, :n] = True
+    return {"input_ids": input_ids, "position_ids": position_ids, "segment_ids": segment_ids,
+            PACKED_KEY: unpack_index, "attention_mask": attention_mask, "embed_mask": embed_mask,
+            CHUNKS_KEY: slots}  # fmt: skip
+
+
+def to_host(features: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``features`` on the host in one device-to-host copy (one synchronisation, not one per tensor)."""
+    flat = torch.cat([v.reshape(-1).long() for v in features.values()]).cpu()
+    sizes = [v.numel() for v in features.values()]
+    parts = flat.split(sizes)
+    return {k: p.view(v.shape).to(v.dtype) for (k, v), p in zip(features.items(), parts, strict=True)}
+
+
+def to_device(features: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host tensors to ``device`` without waiting: to CUDA from pinned memory (no synchronisation)."""
+    pinned = device.type == "cuda"
+    return {k: (v.pin_memory() if pinned else v).to(device, non_blocking=True) for k, v in features.items()}
+
+
 def split_packed(features: dict[str, torch.Tensor], chunk_size: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive chunks of ``chunk_size`` texts, each packed again into rows as wide as the original's."""
-    sequences = unpack_sequences(features)
+    """Consecutive chunks of ``chunk_size`` texts. A column packed by ``pack_chunks`` at this chunk size is cut by
+    shape, on its device (no synchronisation); any other is read to the host once and each chunk packed again
+    into rows as wide as the original's."""
+    texts = features["attention_mask"].shape[0]
+    if CHUNKS_KEY in features and features[CHUNKS_KEY].shape[1] == chunk_size:
+        count = features[CHUNKS_KEY].shape[0]
+        rows, width = features["input_ids"].shape[0] // count, features["input_ids"].shape[1]
+        chunks = []
+        for c in range(count):
+            by_row, by_text = slice(c * rows, (c + 1) * rows), slice(c * chunk_size, min((c + 1) * chunk_size, texts))
+            chunk = {k: features[k][by_row] for k in ("input_ids", "position_ids", "segment_ids") if k in features}
+            chunk[PACKED_KEY] = features[PACKED_KEY][by_text] - c * rows * width
+            chunk.update({k: features[k][by_text] for k in ("attention_mask", "embed_mask")})
+            chunk[CHUNKS_KEY] = features[CHUNKS_KEY][c : c + 1]
+            chunks.append(chunk)
+        return chunks
+    device = features["input_ids"].device
+    sequences = unpack_sequences(to_host({k: v for k, v in features.items() if k != CHUNKS_KEY}))
     width = features["input_ids"].shape[1]
     pad = 0  # padding attends only to itself and is never pooled: its id changes nothing
-    device = features["input_ids"].device
-    chunks = []
-    for start in range(0, len(sequences), chunk_size):
-        chunk = pack(sequences[start : start + chunk_size], width, pad)
-        chunks.append({k: v.to(device) for k, v in chunk.items()})
-    return chunks
+    return [to_device(pack(sequences[start : start + chunk_size], width, pad), device)
+            for start in range(0, len(sequences), chunk_size)]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -242,14 +324,12 @@ def packing_problem(model: torch.nn.Module, longest: int) -> str | None:
 
 def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
     """Run the backbone on packed rows; return hidden states in the padded layout (B, T, d)."""
-    segment_ids = features["segment_ids"]
     impl = attention_implementation(model)
     causal = bool(getattr(model.config, "is_causal", True))
-    if bool((segment_ids == segment_ids[:, :1]).all()) and bool((segment_ids >= 0).all()):
-        mask = None  # one text per row, no padding: plain attention, bidirectional or causal as configured
-    else:
+    mask = None  # no segment_ids: one text per row, no padding (``pack``): plain attention, as configured
+    if "segment_ids" in features:  # a key, not a value: deciding reads nothing from the device
         dtype = model.get_input_embeddings().weight.dtype
-        mask = MASK_BUILDERS[impl](segment_ids, causal, dtype)
+        mask = MASK_BUILDERS[impl](features["segment_ids"], causal, dtype)
     hidden = model(
         input_ids=features["input_ids"],
         attention_mask=mask,
