@@ -30,13 +30,17 @@ def test_smoke_dry_run_passes_without_the_optional_packages(tmp_path):
     verdicts = {row["check"]: row["verdict"] for row in rows}
     assert rows[0]["optional_present"] == "none"  # the blocker worked: the runs below needed none of them
     expected = [
-        "supervised, GradCache chunk 2",
-        "supervised, direct",
+        "NaN guard at learning rate 1e20",
+        "MDM stage (LM head, LoRA)",
+        "supervised, uninterrupted (the resume's reference)",
         "supervised, stopped then resumed",
         "resume continues exactly",
-        "MDM stage (LM head, LoRA)",
-        "NaN guard at learning rate 1e20",
+        "supervised, GradCache chunk 2",
+        "supervised, direct",
+        "total",  # within the plan's time budget
     ]
     assert {check: verdicts.get(check) for check in expected} == dict.fromkeys(expected, "pass")
+    checks = [row["check"] for row in rows if row["check"] in expected]
+    assert checks == expected  # the cheap checks first, the timed runs last
     assert next(r for r in rows if r["check"] == "resume continues exactly")["why"] == "bit-exact"  # on the CPU
     assert (out / "summary.md").read_text().count("| pass |") == len(expected)
