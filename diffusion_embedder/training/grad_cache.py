@@ -13,9 +13,11 @@ one direct step over the same chunks with the same masks; without dropout they a
 (tests/test_grad_cache.py, and on CUDA tests/test_gpu.py). A whole-batch direct step with dropout
 draws other masks (one draw over the whole batch is not the per-chunk draws), so it is not a reference.
 
-Host synchronisation: splitting reads each column's shape from the device once (padded: one read of
-the row offsets; packed: one copy to the host and back), before any forward; nothing else here waits
-for the device.
+Host synchronisation (``tests/test_grad_cache_syncs.py`` counts them, at most 2 per chunk): a column packed by
+chunk at collation (``packing.pack_chunks``) is cut by shape, without reading the device; another packed column is
+read to the host once and its re-packed chunks copied back without waiting; the padded columns' chunk widths are
+read once per step, and padded chunks run ``as_rows`` so transformers need not read their padding mask. The
+step's other wait is the loss's NaN check.
 """
 
 from __future__ import annotations
