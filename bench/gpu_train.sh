@@ -8,13 +8,14 @@
 #      kernels' own run-to-run difference and rounding, against which the packed test's difference is read
 #                                                                                            limit NUMERICS_S=45
 #   4. the throughput rows of bench/train.py --gpu (ROWS: a list of its configurations, one per line; default
-#      all of them, in its order) with what is left of TOTAL_S=480 seconds as their budget: a row still running
+#      all of them, in its order; QUICK=1: its --quick rows) with what is left of TOTAL_S=480 seconds as their budget: a row still running
 #      then is stopped and the rows after it are reported as not run.
 # Each part writes under OUT_DIR as it goes; OUT_DIR/summary.md gathers them at the end.
 #
 #   bash bench/gpu_train.sh [OUT_DIR]     # default bench/results/gpu_train
 #   DRY_RUN=1 bash bench/gpu_train.sh     # the same plumbing on a CPU: tiny shapes, float32, no time limits
 #                                         # (TOTAL_S etc. still apply if set; tests/test_gpu.py skips there)
+#   SKIP_TESTS=1 bash bench/gpu_train.sh  # when bench/gpu.sh already ran tests/test_gpu.py (they are in it)
 #
 # Needs torch, transformers, peft, accelerate and pytest; not datasets, mteb, bm25s or flash-attn.
 # Exit status 0 only if every part passed.
@@ -50,8 +51,11 @@ rm -rf "$OUT_DIR/smoke"
 part "smoke run" "$SMOKE_S" "$PY" bench/gpu_smoke_train.py --out "$OUT_DIR/smoke" "${dry[@]}"
 
 # 2. GradCache on CUDA: replay bit for bit, equal to the direct step, checkpointing, compile, NaN-check device.
-part "GradCache CUDA tests" "$TESTS_S" bash -c "\"$PY\" -m pytest -q -m gpu tests/test_gpu.py \
+if [[ "${SKIP_TESTS:-0}" == 1 ]]; then  # bench/gpu.sh ran tests/test_gpu.py already
+  echo "| GradCache CUDA tests | skipped (SKIP_TESTS=1) | 0 | |" >> "$OUT_DIR/parts.md"
+else part "GradCache CUDA tests" "$TESTS_S" bash -c "\"$PY\" -m pytest -q -m gpu tests/test_gpu.py \
   -k 'grad_cache or rand_state or nan_check' 2>&1 | tee '$OUT_DIR/grad_cache_tests.log'; exit \${PIPESTATUS[0]}"
+fi
 
 # 3. How far apart GradCache, the direct step, and float64 are on the same inputs.
 part "GradCache numerics" "$NUMERICS_S" "$PY" bench/grad_cache_numerics.py --out "$OUT_DIR/numerics" "${dry[@]}"
@@ -59,6 +63,7 @@ part "GradCache numerics" "$NUMERICS_S" "$PY" bench/grad_cache_numerics.py --out
 # 4. Throughput rows, with what is left of the total.
 rows=()
 while IFS= read -r row; do [[ -n "$row" ]] && rows+=(--rows "$row"); done <<< "${ROWS:-}"
+[[ ${#rows[@]} == 0 && -n "${QUICK:-}" ]] && rows=(--quick)
 left=$((TOTAL_S - (SECONDS - START) - 15))
 if ((left > 30)); then
   part "throughput rows" "$((left + 10))" "$PY" bench/train.py --gpu "${dry[@]}" "${rows[@]}" --budget "$left" \
