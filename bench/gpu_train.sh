@@ -8,8 +8,8 @@
 #      kernels' own run-to-run difference and rounding, against which the packed test's difference is read
 #                                                                                            limit NUMERICS_S=45
 #   4. the throughput rows of bench/train.py --gpu (ROWS: a list of its configurations, one per line; default
-#      all of them, in its order; QUICK=1: its --quick rows) with what is left of TOTAL_S=480 seconds as their budget: a row still running
-#      then is stopped and the rows after it are reported as not run.
+#      all of them, in its order; QUICK=1: its --quick rows) with what is left of TOTAL_S=480 seconds as their
+#      budget: a row still running then is stopped and the rows after it are reported as not run.
 # Each part writes under OUT_DIR as it goes; OUT_DIR/summary.md gathers them at the end.
 #
 #   bash bench/gpu_train.sh [OUT_DIR]     # default bench/results/gpu_train
