@@ -4,21 +4,22 @@ supervised stage and of the masked-diffusion (MDM) LM stage on a random checkpoi
     python bench/gpu_smoke_train.py --out DIR              # GPU: Qwen2.5-1.5B shape (Dream format), bf16
     python bench/gpu_smoke_train.py --out DIR --dry-run    # CPU: tiny shape, float32 (what the test runs)
 
-What runs (every run is a real ``experiments/run_*.py`` under torchrun, from a JSON config):
+What runs (every run is a real ``experiments/run_*.py`` under torchrun, from a JSON config), cheapest first,
+within a time budget (``Plan.budget``: 3 minutes on a GPU; each run's timeout is what is left of it):
 
-1. a random checkpoint in the Dream layout (Qwen2 weights as safetensors, Dream's config.json with its
-   mask token, the Dream fixture's tokenizer) and local JSONL data (triples: queries of 16-64 tokens,
-   passages of 128-400; plain text for the LM stage);
-2. supervised, bf16 weights and autocast, activation checkpointing, LoRA dropout 0.1: GradCache on
-   (``gc``, uninterrupted, checkpoints every ``save_steps``) and off (``direct``);
-3. resume: the GradCache run stopped at the first checkpoint (``stop_after_n_steps``), then resumed
-   with ``--resume_from_checkpoint last``; its final LoRA weights are compared with ``gc``'s. Both
-   runs' first checkpoints (same steps from scratch) are compared too: any difference there is the
-   kernels' own nondeterminism, which then bounds the resume's difference (a difference only after
-   the resume would mean the resume is not exact);
-4. the MDM stage (LoRA, LM head, bf16, activation checkpointing), with a checkpoint;
-5. the NaN guard: learning rate 1e20 (warmup 2, a checkpoint every step) must stop with exit status 1
-   and name checkpoint-1 as the last finite one, which must be complete and finite.
+1. random checkpoints in the Dream layout (Qwen2 weights as safetensors, Dream's config.json with its mask token,
+   the Dream fixture's tokenizer): the checks' shape (4 layers of width 256 on a GPU: their runs cost their
+   start-up, about 12 s each) and the timed shape (Qwen2.5-1.5B),
+   and local JSONL data (triples: queries of 16-64 tokens, passages of 128-400; plain text for the LM stage);
+2. the NaN guard (checks' shape): learning rate 1e20 (warmup 2, a checkpoint every step) must stop with exit
+   status 1 and name checkpoint-1 as the last finite one, which must be complete and finite;
+3. the MDM stage (checks' shape; LoRA, LM head, bf16, activation checkpointing), with a checkpoint;
+4. resume (checks' shape, GradCache, LoRA dropout 0.1): an uninterrupted run, then a run stopped at its first
+   checkpoint (``stop_after_n_steps``) and resumed with ``--resume_from_checkpoint last``; the resumed run's
+   final LoRA weights are compared with the uninterrupted run's: bit for bit, or, where two uninterrupted runs
+   differ (the kernels' own nondeterminism, measured by a second one), within 3x their difference;
+5. supervised at the timed shape, bf16 weights and autocast, activation checkpointing, LoRA dropout 0.1:
+   GradCache (``chunk`` texts per chunk) and direct, their seconds per step and the ratio.
 
 Every figure and verdict is appended to ``DIR/results.jsonl`` and ``DIR/summary.md`` as it is known;
 each run's log is in ``DIR/logs``. The exit status is 0 only if every verdict passed. Nothing here
@@ -42,10 +43,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DREAM_FIXTURE = REPO / "tests" / "fixtures" / "dream_reference"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "special_tokens_map.json", "tokenizer_config.json")
-#: Qwen2.5-1.5B's shape (Dream-7B's family); the CPU dry run takes ``random_models.TINY_SHAPE``.
+#: Qwen2.5-1.5B's shape (Dream-7B's family) for the timed runs, a small one (4 layers, Qwen2.5's vocabulary) for the
+#: checks; the CPU dry run takes ``random_models.TINY_SHAPE``.
 SHAPES = {
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=151936),  # the checks': each run is its start-up time
 }  # fmt: skip
 OPTIONAL = ("datasets", "mteb", "bm25s", "flash_attn")
 
@@ -54,22 +58,24 @@ OPTIONAL = ("datasets", "mteb", "bm25s", "flash_attn")
 class Plan:
     """Sizes of one smoke run: the GPU's, or the dry run's (tiny, float32, on the CPU)."""
 
-    shape: str
+    shape: str  # the timed supervised runs' (GradCache and direct)
+    checks: str  # the shape of the NaN guard, the MDM stage and the resume, which need no large model
     dtype: str | None  # torch_dtype of the weights; None = float32
     bf16: bool  # autocast
     batch: int  # triples per step
     chunk: int  # GradCache texts per chunk
     query_tokens: tuple[int, int]
     passage_tokens: tuple[int, int]
-    steps: int  # max_steps of the supervised runs; checkpoints at steps/2 and steps
+    steps: int  # max_steps of the supervised runs; the resume's checkpoints at steps/2 and steps
     block: int  # LM-stage tokens per block
     lm_batch: int
     lm_steps: int
-    timeout: int  # seconds per run
+    timeout: int  # seconds per run at most
+    budget: int  # seconds for the whole smoke run
 
 
-GPU = Plan("qwen2.5-1.5b", "bfloat16", True, 8, 2, (16, 64), (128, 400), 6, 512, 8, 4, 300)
-DRY = Plan("tiny", None, False, 4, 2, (8, 16), (16, 48), 4, 32, 4, 2, 300)
+GPU = Plan("qwen2.5-1.5b", "small", "bfloat16", True, 8, 4, (16, 64), (128, 400), 4, 256, 8, 2, 90, 180)
+DRY = Plan("tiny", "tiny", None, False, 4, 2, (8, 16), (16, 48), 4, 32, 4, 2, 300, 3000)  # a loaded CPU: no real budget
 
 
 class Report:
@@ -112,7 +118,7 @@ def environment(device: str) -> dict:
                 accelerate=accelerate.__version__, optional_present=present or "none")  # fmt: skip
 
 
-def make_checkpoint(folder: Path, plan: Plan, device: str) -> dict:
+def make_checkpoint(folder: Path, plan: Plan, shape: str, device: str) -> dict:
     """Random Qwen2 weights (seed 0) saved as safetensors under Dream's config.json, and Dream's tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -120,7 +126,7 @@ def make_checkpoint(folder: Path, plan: Plan, device: str) -> dict:
     from diffusion_embedder.random_models import TINY_SHAPE
 
     start = time.perf_counter()
-    dims = {**SHAPES, "tiny": TINY_SHAPE[1]}[plan.shape]
+    dims = {**SHAPES, "tiny": TINY_SHAPE[1]}[shape]
     config = AutoConfig.for_model("qwen2", **dims, max_position_embeddings=32768, tie_word_embeddings=False)
     torch.manual_seed(0)
     dtype = getattr(torch, plan.dtype or "float32")
@@ -136,7 +142,7 @@ def make_checkpoint(folder: Path, plan: Plan, device: str) -> dict:
     for name in TOKENIZER_FILES:
         shutil.copy(DREAM_FIXTURE / name, folder / name)
     size = sum(p.stat().st_size for p in folder.iterdir()) / 2**30
-    return dict(seconds=round(time.perf_counter() - start, 1), size_gib=round(size, 2), shape=plan.shape)
+    return dict(seconds=round(time.perf_counter() - start, 1), size_gib=round(size, 2), shape=shape)
 
 
 def random_text(tokenizer, tokens: int, generator) -> str:
@@ -176,7 +182,8 @@ def make_data(folder: Path, plan: Plan, checkpoint: Path) -> dict:
     return dict(triples=samples, text_records=blocks)
 
 
-def configs(out: Path, plan: Plan, checkpoint: Path) -> tuple[Path, Path]:
+def configs(out: Path, plan: Plan, checkpoint: Path, name: str) -> tuple[Path, Path]:
+    """The supervised and MDM configs of one checkpoint (files NAME_supervised.json, NAME_mdm.json)."""
     common = {
         "model_name_or_path": str(checkpoint),
         "torch_dtype": plan.dtype,
@@ -223,7 +230,7 @@ def configs(out: Path, plan: Plan, checkpoint: Path) -> tuple[Path, Path]:
         "max_steps": plan.lm_steps,
         "save_steps": plan.lm_steps // 2,
     }
-    paths = out / "supervised.json", out / "mdm.json"
+    paths = out / f"{name}_supervised.json", out / f"{name}_mdm.json"
     for path, values in zip(paths, (supervised, lm), strict=True):
         path.write_text(json.dumps(values, indent=2))
     return paths
@@ -284,19 +291,34 @@ def weight_difference(a: Path, b: Path) -> dict:
     return dict(same_keys=True, bit_exact=all(x[k].equal(y[k]) for k in x), max_abs=worst, rel_l2=diff / norm)
 
 
-def resume_verdict(out: Path, plan: Plan, supervised: Path, gc: list[str]) -> dict:
-    """Is the resumed run's final adapter the uninterrupted run's? Bit-exact passes. Otherwise a second
+class Clock:
+    """The smoke run's time budget: each run may take what is left of it (at most ``plan.timeout``)."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return round(time.perf_counter() - self.start, 1)
+
+    def timeout(self) -> int:
+        return max(1, min(self.plan.timeout, int(self.plan.budget - self.elapsed())))
+
+
+def resume_verdict(out: Path, plan: Plan, supervised: Path, gc: list[str], clock: Clock) -> dict:
+    """Is the resumed run's final adapter the uninterrupted run's (``ref``)? Bit-exact passes. Otherwise a second
     uninterrupted run measures the kernels' own nondeterminism, which must bound the resume's difference."""
     from diffusion_embedder.training.checkpoints import TRAINABLE_WEIGHTS
 
     runs, half = out / "runs", plan.steps // 2
     at_checkpoint = weight_difference(runs / "resume" / f"checkpoint-{half}" / TRAINABLE_WEIGHTS,
-                                      runs / "gc" / f"checkpoint-{half}" / TRAINABLE_WEIGHTS)  # fmt: skip
-    final = weight_difference(runs / "resume" / TRAINABLE_WEIGHTS, runs / "gc" / TRAINABLE_WEIGHTS)
+                                      runs / "ref" / f"checkpoint-{half}" / TRAINABLE_WEIGHTS)  # fmt: skip
+    final = weight_difference(runs / "resume" / TRAINABLE_WEIGHTS, runs / "ref" / TRAINABLE_WEIGHTS)
     if final["bit_exact"]:
         return dict(ok=True, why="bit-exact", final=final)
-    again = torchrun(out, "gc_again", "run_supervised.py", supervised, plan.timeout, "--experiment_id", "gc_again", *gc)
-    noise = weight_difference(runs / "gc_again" / TRAINABLE_WEIGHTS, runs / "gc" / TRAINABLE_WEIGHTS)
+    again = torchrun(out, "ref_again", "run_supervised.py", supervised, clock.timeout(), "--experiment_id",
+                     "ref_again", *gc)  # fmt: skip
+    noise = weight_difference(runs / "ref_again" / TRAINABLE_WEIGHTS, runs / "ref" / TRAINABLE_WEIGHTS)
     if noise["bit_exact"]:
         why = "two uninterrupted runs agree bit for bit, the resumed one does not: the resume is not exact"
         return dict(ok=False, why=why, final=final, at_checkpoint=at_checkpoint, second_run=again)
@@ -306,49 +328,11 @@ def resume_verdict(out: Path, plan: Plan, supervised: Path, gc: list[str]) -> di
     return dict(ok=ok, why=why, final=final, uninterrupted_twice=noise, at_checkpoint=at_checkpoint, second_run=again)
 
 
-def smoke(out: Path, plan: Plan, device: str) -> bool:
+def nan_guard(out: Path, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
     from diffusion_embedder.training.checkpoints import TRAINABLE_WEIGHTS, find_last_checkpoint
 
-    report = Report(out)
-    started = time.perf_counter()
-    report.add("environment", None, **environment(device))
-    checkpoint = out / "model"
-    report.add("random checkpoint (Dream layout, safetensors)", None, **make_checkpoint(checkpoint, plan, device))
-    report.add("local JSONL data", None, **make_data(out / "data", plan, checkpoint))
-    supervised, lm = configs(out, plan, checkpoint)
     runs = out / "runs"
-    half = str(plan.steps // 2)
-    gc = ["--grad_cache_chunk_size", str(plan.chunk)]
-
-    for name, extra in (("gc", gc), ("direct", [])):
-        result = torchrun(out, name, "run_supervised.py", supervised, plan.timeout, "--experiment_id", name, *extra)
-        figures = run_figures(runs / name)
-        runtime = re.search(r"'train_runtime': '?([0-9.]+)", (out / result["log"]).read_text())  # the Trainer's clock
-        seconds_per_step = round(float(runtime.group(1)) / plan.steps, 3) if runtime else None
-        what = f"supervised, GradCache chunk {plan.chunk}" if extra else "supervised, direct"
-        report.add(what, trained_ok(result, figures, plan.steps), **result, **figures, s_per_step=seconds_per_step)
-
-    resume = ["--experiment_id", "resume", *gc]
-    stopped = torchrun(out, "stopped", "run_supervised.py", supervised, plan.timeout, *resume,
-                       "--stop_after_n_steps", half)  # fmt: skip
-    resumed = torchrun(out, "resumed", "run_supervised.py", supervised, plan.timeout, *resume,
-                       "--resume_from_checkpoint", "last")  # fmt: skip
-    figures = run_figures(runs / "resume")
-    report.add("supervised, stopped then resumed", trained_ok(resumed, figures, plan.steps) and stopped["exit"] == 0,
-               stopped=stopped, resumed=resumed, **figures)  # fmt: skip
-    try:
-        verdict = resume_verdict(out, plan, supervised, gc)
-    except FileNotFoundError as err:
-        verdict = dict(ok=False, why=f"missing {err.filename}")
-    report.add("resume continues exactly", verdict.pop("ok"), **verdict)
-
-    result = torchrun(out, "mdm", "run_mntp.py", lm, plan.timeout, "--experiment_id", "mdm")
-    figures = run_figures(runs / "mdm")
-    adapter = (runs / "mdm" / "adapter_model.safetensors").is_file()
-    report.add("MDM stage (LM head, LoRA)", trained_ok(result, figures, plan.lm_steps) and adapter,
-               **result, **figures, adapter_saved=adapter)  # fmt: skip
-
-    result = torchrun(out, "nan", "run_supervised.py", supervised, plan.timeout, "--experiment_id", "nan", *gc,
+    result = torchrun(out, "nan", "run_supervised.py", supervised, clock.timeout(), "--experiment_id", "nan", *gc,
                       "--learning_rate", "1e20", "--warmup_steps", "2", "--save_steps", "1")  # fmt: skip
     good = runs / "nan" / "checkpoint-1"
     log = (out / result["log"]).read_text()
@@ -362,10 +346,78 @@ def smoke(out: Path, plan: Plan, device: str) -> bool:
     message = next((line.strip() for line in log.splitlines() if "training stopped" in line or "not finite" in line),
                    None)  # fmt: skip
     stopped_right = result["exit"] == 1 and named and last == str(good) and finite
-    report.add("NaN guard at learning rate 1e20", stopped_right, exit=result["exit"], names_checkpoint_1=named,
-               last_complete=last, finite=finite, message=message)
+    report.add("NaN guard at learning rate 1e20", stopped_right, exit=result["exit"], seconds=result["seconds"],
+               names_checkpoint_1=named, last_complete=last, finite=finite, message=message)  # fmt: skip
 
-    report.add("total", None, seconds=round(time.perf_counter() - started, 1))
+
+def mdm_stage(out: Path, plan: Plan, report: Report, lm: Path, clock: Clock) -> None:
+    result = torchrun(out, "mdm", "run_mntp.py", lm, clock.timeout(), "--experiment_id", "mdm")
+    figures = run_figures(out / "runs" / "mdm")
+    adapter = (out / "runs" / "mdm" / "adapter_model.safetensors").is_file()
+    report.add("MDM stage (LM head, LoRA)", trained_ok(result, figures, plan.lm_steps) and adapter,
+               **result, **figures, adapter_saved=adapter)  # fmt: skip
+
+
+def resume(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
+    runs, half = out / "runs", str(plan.steps // 2)
+    ref = torchrun(out, "ref", "run_supervised.py", supervised, clock.timeout(), "--experiment_id", "ref", *gc)
+    figures = run_figures(runs / "ref")
+    report.add("supervised, uninterrupted (the resume's reference)", trained_ok(ref, figures, plan.steps),
+               **ref, **figures)  # fmt: skip
+    again = ["--experiment_id", "resume", *gc]
+    stopped = torchrun(out, "stopped", "run_supervised.py", supervised, clock.timeout(), *again,
+                       "--stop_after_n_steps", half)  # fmt: skip
+    resumed = torchrun(out, "resumed", "run_supervised.py", supervised, clock.timeout(), *again,
+                       "--resume_from_checkpoint", "last")  # fmt: skip
+    figures = run_figures(runs / "resume")
+    report.add("supervised, stopped then resumed", trained_ok(resumed, figures, plan.steps) and stopped["exit"] == 0,
+               stopped=stopped, resumed=resumed, **figures)  # fmt: skip
+    try:
+        verdict = resume_verdict(out, plan, supervised, gc, clock)
+    except FileNotFoundError as err:
+        verdict = dict(ok=False, why=f"missing {err.filename}")
+    report.add("resume continues exactly", verdict.pop("ok"), **verdict)
+
+
+def timed(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
+    """GradCache and direct at the timed shape: seconds per step by the Trainer's clock, and their ratio."""
+    per_step = {}
+    for name, extra in (("gc", gc), ("direct", [])):
+        result = torchrun(out, name, "run_supervised.py", supervised, clock.timeout(), "--experiment_id", name, *extra)
+        figures = run_figures(out / "runs" / name)
+        runtime = re.search(r"'train_runtime': '?([0-9.]+)", (out / result["log"]).read_text())  # the Trainer's clock
+        per_step[name] = round(float(runtime.group(1)) / plan.steps, 3) if runtime else None
+        what = f"supervised, GradCache chunk {plan.chunk}" if extra else "supervised, direct"
+        report.add(what, trained_ok(result, figures, plan.steps), **result, **figures, s_per_step=per_step[name],
+                   shape=plan.shape)  # fmt: skip
+    if all(per_step.values()):
+        report.add("GradCache / direct, seconds per step", None, ratio=round(per_step["gc"] / per_step["direct"], 2),
+                   note="includes each run's first step (warm-up) and its checkpoint writes")  # fmt: skip
+
+
+def smoke(out: Path, plan: Plan, device: str) -> bool:
+    report = Report(out)
+    clock = Clock(plan)
+    report.add("environment", None, **environment(device), budget_s=plan.budget)
+    gc = ["--grad_cache_chunk_size", str(plan.chunk)]
+    shapes = {"checks": plan.checks, "timed": plan.shape}
+    made: dict[str, Path] = {}
+    for role, shape in shapes.items():
+        if shape in {s for r, s in shapes.items() if r in made}:
+            made[role] = made["checks"]
+            continue
+        made[role] = out / f"model_{shape}"
+        report.add(f"random checkpoint {shape} (Dream layout, safetensors)", None,
+                   **make_checkpoint(made[role], plan, shape, device))  # fmt: skip
+    report.add("local JSONL data", None, **make_data(out / "data", plan, made["checks"]))
+    supervised, lm = configs(out, plan, made["checks"], "checks")
+    timed_supervised, _ = configs(out, plan, made["timed"], "timed")
+
+    nan_guard(out, report, supervised, gc, clock)
+    mdm_stage(out, plan, report, lm, clock)
+    resume(out, plan, report, supervised, gc, clock)
+    timed(out, plan, report, timed_supervised, gc, clock)
+    report.add("total", clock.elapsed() <= plan.budget, seconds=clock.elapsed(), budget_s=plan.budget)
     return report.passed
 
 

@@ -186,6 +186,15 @@ def host_syncs(step) -> dict[str, int] | None:
     return dict(sites.most_common())
 
 
+def cpu_host_syncs(step) -> dict[str, int]:
+    """On the CPU: where one more ``step()`` would make the host wait for an accelerator (``host_syncs``)."""
+    from diffusion_embedder.host_syncs import HostSyncs
+
+    with HostSyncs() as syncs:
+        step()
+    return dict(syncs.sites.most_common())
+
+
 def profile_table(step, device: str) -> str:
     """The 25 most expensive kernels (or CPU ops) of one more ``step()``: where the rest of the time goes."""
     import torch
@@ -235,7 +244,8 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     samples = [TrainSample(query=("Retrieve the passage that answers the question", text(plan.query_tokens)),
                            positive=("", text(plan.passage_tokens)), negatives=[("", text(plan.passage_tokens))])
                for _ in range(triples)]  # fmt: skip
-    collator = ContrastiveCollator(encoder, num_negatives=1, pack_length=plan.pack_length if packed else None)
+    collator = ContrastiveCollator(encoder, num_negatives=1, pack_length=plan.pack_length if packed else None,
+                                   chunk_size=plan.chunk if grad_cache else None)  # as build_trainer: packed by chunk
     trainer = EncoderTrainer(model=encoder, args=cfg.training, train_dataset=samples, data_collator=collator,
                              loss_fn=HardNegativeNLLLoss(), grad_cache_chunk_size=plan.chunk if grad_cache else None)
     optimizer = trainer.create_optimizer()  # AdamW on the adapter (the only trainable tensors)
@@ -262,7 +272,7 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     sync()
     seconds = (time.perf_counter() - start) / steps
     memory = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else rss_mib() / 1024
-    syncs = host_syncs(step) if device == "cuda" else None
+    syncs = host_syncs(step) if device == "cuda" else cpu_host_syncs(step)
     table = profile_table(step, device) if profile else None
     params = sum(p.numel() for n, p in encoder.model.named_parameters() if p.dim() > 1 and "lora_" not in n)
     params -= dims["vocab_size"] * dims["hidden_size"]  # the embedding is a lookup
@@ -306,32 +316,49 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     return "\n".join(header + lines + [""] + notes) + "\n"
 
 
+def run_row(name: str, args: argparse.Namespace, timeout: float) -> dict:
+    """One configuration in a fresh process, stopped at ``timeout`` seconds."""
+    command = [sys.executable, __file__, "--gpu-worker", name] + (["--dry-run"] if args.dry_run else [])
+    command += ["--profile", name] if args.profile else []
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(config=name, error=f"stopped at the time budget ({timeout:.0f} s)")
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"FAILED {name}:\n{out.stderr[-2000:]}", flush=True)
+        return dict(config=name, error=last[:200])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    table = row.pop("profile")
+    if table:
+        print(table, flush=True)
+        if args.out:
+            args.out.with_suffix(".profile.txt").write_text(table)
+    return row
+
+
 def gpu_main(args: argparse.Namespace) -> None:
+    """Each row in turn; with ``--budget`` a row may take what is left and later rows are reported as not run.
+    Every row is written (``--out``: the table, and its JSON rows beside it) as soon as it is measured."""
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
-    names = [args.profile] if args.profile else QUICK if args.quick else list(GPU_CONFIGS)
-    rows = []
-    for name in names:
-        command = [sys.executable, __file__, "--gpu-worker", name] + (["--dry-run"] if args.dry_run else [])
-        command += ["--profile", name] if args.profile else []
-        out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-        if out.returncode:
-            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"FAILED {name}:\n{out.stderr[-2000:]}", flush=True)
-            rows.append(dict(config=name, error=last[:200]))
-            continue
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        table = rows[-1].pop("profile")
-        print(rows[-1], flush=True)
-        if table:
-            print(table, flush=True)
-            if args.out:
-                args.out.with_suffix(".profile.txt").write_text(table)
+    names = [args.profile] if args.profile else args.rows or (QUICK if args.quick else list(GPU_CONFIGS))
     flags = " --dry-run" * args.dry_run + " --quick" * args.quick
     flags += f' --profile "{args.profile}"' if args.profile else ""
-    report = gpu_report(rows, plan, f"python bench/train.py --gpu{flags}")
+    flags += "".join(f' --rows "{name}"' for name in args.rows or ())
+    flags += f" --budget {args.budget:g}" if args.budget else ""
+    start, rows = time.perf_counter(), []
+    for name in names:
+        left = args.budget - (time.perf_counter() - start) if args.budget else None
+        if left is not None and left < 1:
+            rows.append(dict(config=name, error="not run: the time budget was spent"))
+        else:
+            rows.append(run_row(name, args, left))
+        print(rows[-1], flush=True)
+        report = gpu_report(rows, plan, f"python bench/train.py --gpu{flags}")
+        if args.out:
+            args.out.write_text(report)
+            args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(report)
-    if args.out:
-        args.out.write_text(report)
     if any("error" in r for r in rows) and args.dry_run:
         sys.exit(1)
 
@@ -349,6 +376,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="GPU mode: only " + "; ".join(QUICK))
     parser.add_argument("--profile", default=None, choices=list(GPU_CONFIGS),
                         help="GPU mode: this configuration only, with the profile of one step (torch.profiler)")
+    parser.add_argument("--rows", action="append", choices=list(GPU_CONFIGS), default=None,
+                        help="GPU mode: these configurations (repeat the flag), in this order")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="GPU mode: seconds for all rows; a row may take what is left, later ones are not run")
     parser.add_argument("--gpu-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpu_worker:

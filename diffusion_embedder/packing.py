@@ -126,6 +126,8 @@ def pack(
     (empty rows of padding), so forwards come in few shapes (``BOUNDED_SHAPES``). ``cu_seq_lens`` (int32)
     delimits the sequences of the flattened rows for ``varlen``: each text, then its row's padding in pieces
     of at most the longest text's length, so that length (``unpack_index``'s width) bounds every sequence.
+    Where every row holds one whole text and no padding, ``segment_ids`` is left out: the forward then needs
+    no mask, which it can tell from the keys without reading the device.
     """
     lengths = [len(ids) for ids, _ in sequences]
     rows = pack_rows(lengths, capacity)
@@ -160,7 +162,7 @@ def pack(
             offsets.append(r * width + start)
         while offsets[-1] < (r + 1) * width:  # the row's padding
             offsets.append(min(offsets[-1] + longest, (r + 1) * width))
-    return {
+    features = {
         "input_ids": input_ids,
         "position_ids": position_ids,
         "segment_ids": segment_ids,
@@ -169,6 +171,9 @@ def pack(
         "embed_mask": embed_mask,
         OFFSETS_KEY: torch.tensor(offsets, dtype=torch.int32),
     }
+    if n_rows == len(rows) and all(len(row) == 1 and lengths[row[0]] == width for row in rows):
+        del features["segment_ids"]  # one whole text per row: no mask (``packed_hidden``), decided here on the host
+    return features
 
 
 def unpack_sequences(features: dict[str, torch.Tensor]) -> list[tuple[list[int], int]]:
@@ -180,19 +185,6 @@ def unpack_sequences(features: dict[str, torch.Tensor]) -> list[tuple[list[int],
     ):
         out.append((flat[index[mask]].tolist(), int(span)))
     return out
-
-
-def split_packed(features: dict[str, torch.Tensor], chunk_size: int) -> list[dict[str, torch.Tensor]]:
-    """Consecutive chunks of ``chunk_size`` texts, each packed again into rows as wide as the original's."""
-    sequences = unpack_sequences(features)
-    width = features["input_ids"].shape[1]
-    pad = 0  # padding attends only to itself and is never pooled: its id changes nothing
-    device = features["input_ids"].device
-    chunks = []
-    for start in range(0, len(sequences), chunk_size):
-        chunk = pack(sequences[start : start + chunk_size], width, pad)
-        chunks.append({k: v.to(device) for k, v in chunk.items()})
-    return chunks
 
 
 # ---------------------------------------------------------------------------------------------- masks
@@ -271,7 +263,6 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
     On ``varlen`` the rows' offsets confine attention; a model loaded with ``sdpa`` runs its packed inference
     forwards there too where the kernel runs (``varlen.dispatch_problem``); the others get their block mask.
     """
-    segment_ids = features["segment_ids"]
     impl = attention_implementation(model)
     inputs = {"input_ids": features["input_ids"], "position_ids": features["position_ids"], "use_cache": False}
     if impl == varlen.NAME or (impl == "sdpa" and varlen.dispatch_problem(model) is None):
@@ -279,11 +270,10 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
             hidden = model(**inputs, attention_mask=None, **varlen_offsets(features)).last_hidden_state
         return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
     causal = bool(getattr(model.config, "is_causal", True))
-    if bool((segment_ids == segment_ids[:, :1]).all()) and bool((segment_ids >= 0).all()):
-        mask = None  # one text per row, no padding: plain attention, bidirectional or causal as configured
-    else:
+    mask = None  # no segment_ids: one text per row, no padding (``pack``): plain attention, as configured
+    if "segment_ids" in features:  # a key, not a value: deciding reads nothing from the device
         dtype = model.get_input_embeddings().weight.dtype
-        mask = MASK_BUILDERS[impl](segment_ids, causal, dtype)
+        mask = MASK_BUILDERS[impl](features["segment_ids"], causal, dtype)
     hidden = model(**inputs, attention_mask=mask).last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])[features[PACKED_KEY]]
 

@@ -30,13 +30,37 @@ def test_smoke_dry_run_passes_without_the_optional_packages(tmp_path):
     verdicts = {row["check"]: row["verdict"] for row in rows}
     assert rows[0]["optional_present"] == "none"  # the blocker worked: the runs below needed none of them
     expected = [
-        "supervised, GradCache chunk 2",
-        "supervised, direct",
+        "NaN guard at learning rate 1e20",
+        "MDM stage (LM head, LoRA)",
+        "supervised, uninterrupted (the resume's reference)",
         "supervised, stopped then resumed",
         "resume continues exactly",
-        "MDM stage (LM head, LoRA)",
-        "NaN guard at learning rate 1e20",
+        "supervised, GradCache chunk 2",
+        "supervised, direct",
+        "total",  # within the plan's time budget
     ]
     assert {check: verdicts.get(check) for check in expected} == dict.fromkeys(expected, "pass")
+    checks = [row["check"] for row in rows if row["check"] in expected]
+    assert checks == expected  # the cheap checks first, the timed runs last
     assert next(r for r in rows if r["check"] == "resume continues exactly")["why"] == "bit-exact"  # on the CPU
     assert (out / "summary.md").read_text().count("| pass |") == len(expected)
+
+
+def test_gpu_train_script_dry_run_stops_each_part_at_its_limit_and_still_reports(tmp_path):
+    """bench/gpu_train.sh on the CPU: a part past its limit is stopped and recorded as such, the parts after it
+    still run (one throughput row here, within what is left of the total), and the summary is written."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DRY_RUN="1", SMOKE_S="2", NUMERICS_S="2",
+               TESTS_S="400", TOTAL_S="900", ROWS="padded, direct", PYTHON=sys.executable)  # fmt: skip
+    out = tmp_path / "gpu_train"
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_train.sh"), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1500)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # two parts were stopped
+    parts = {line.split(" | ")[0].strip("| "): line for line in (out / "parts.md").read_text().splitlines()[2:]}
+    assert list(parts) == ["smoke run", "GradCache CUDA tests", "GradCache numerics", "throughput rows"]
+    assert "(time limit)" in parts["smoke run"] and "(time limit)" in parts["GradCache numerics"]
+    assert parts["GradCache CUDA tests"].startswith("| GradCache CUDA tests | 0 |")  # skipped without CUDA
+    assert parts["throughput rows"].startswith("| throughput rows | 0 |"), parts["throughput rows"]
+    bench = (out / "bench.md").read_text()
+    assert "| padded, direct | 8 |" in bench and "--budget" in bench
+    summary = (out / "summary.md").read_text()
+    assert "| smoke run | 124 (time limit) |" in summary and "## Throughput" in summary

@@ -9,7 +9,7 @@ import torch
 from conftest import FAMILIES, LLAMA_FIXTURE, MIXED_TEXTS, default_attention
 from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 
-from diffusion_embedder import Encoder
+from diffusion_embedder import Encoder, packed_chunks
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.pooling import POOLING_MODES
 
@@ -88,7 +88,7 @@ def test_pack_rows_and_features_layout():
     flat = features["input_ids"].reshape(-1)
     assert flat[features["unpack_index"][0]].tolist() == [11, 12, 13]
     assert packing_mod.unpack_sequences(features) == [([11, 12, 13], 2), ([21], 1), ([31, 32], 0)]
-    chunks = packing_mod.split_packed(features, 2)
+    chunks = packed_chunks.split_packed(features, 2)
     assert [packing_mod.unpack_sequences(c) for c in chunks] == [[([11, 12, 13], 2), ([21], 1)], [([31, 32], 0)]]
 
 

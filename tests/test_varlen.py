@@ -14,7 +14,7 @@ from conftest import DREAM_FIXTURE, FAMILIES, LLADA_FIXTURE, LLAMA_FIXTURE, MIXE
 from numerics import HAND_EPS, ORDER_EPS, REFERENCE_EPS, assert_close_normwise
 from transformers import AttentionInterface
 
-from diffusion_embedder import Encoder, packing, varlen
+from diffusion_embedder import Encoder, packed_chunks, packing, varlen
 from diffusion_embedder.backbones import load_backbone
 from diffusion_embedder.loading import check_attn_implementation
 from diffusion_embedder.pooling import POOLING_MODES
@@ -339,6 +339,12 @@ def test_pack_length_auto_trains_packed_on_varlen_where_the_kernel_runs(tmp_path
     assert fast.data_collator.pack_length == rows.AUTO_PACK_LENGTH
     assert fast.model.model.config._attn_implementation == "varlen"
     assert_same(step_grads(fast, fast.data_collator(samples), None), direct)
+    assert calls and all(given for _, given, _ in calls)
+    chunked = built(grad_cache_chunk_size=2)  # GradCache: each chunk packed apart, its offsets cut by shape
+    calls.clear()
+    batch = chunked.data_collator(samples)
+    assert packed_chunks.CHUNK_OFFSETS_KEY in batch["query"]
+    assert_same(step_grads(chunked, batch, 2), direct)
     assert calls and all(given for _, given, _ in calls)
     simcse = built(simcse_dropout=0.1)
     assert simcse.data_collator.pack_length is None and simcse.model.model.config._attn_implementation == "sdpa"

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from diffusion_embedder.packed_chunks import pack_chunks
+from diffusion_embedder.packing import check_positive
+
 from .sample import Pair, TrainSample
 
 Features = dict[str, torch.Tensor]
@@ -31,15 +34,23 @@ class ContrastiveCollator:
     ``pack_length``: padding-free training. Each column's texts are packed into rows of at most this
     many tokens (``diffusion_embedder.packing``; the callable is then called with ``pack_length=``);
     the encoder's forward gives the same embeddings, so losses and gradients are the padded path's.
+
+    ``chunk_size`` (GradCache's texts per chunk, with ``pack_length``): each column is packed chunk by chunk
+    (``packed_chunks.pack_chunks``), so GradCache cuts it into its chunks on the device without reading it back.
     """
 
-    def __init__(self, tokenizer: Any, num_negatives: int = 1, pack_length: int | None = None):
+    def __init__(
+        self, tokenizer: Any, num_negatives: int = 1, pack_length: int | None = None, chunk_size: int | None = None
+    ):
         if num_negatives < 0:
             raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
         if pack_length is not None and (isinstance(pack_length, bool) or not isinstance(pack_length, int)
                                         or pack_length < 1):
             raise ValueError(f"pack_length must be an integer >= 1 or None, got {pack_length!r}")
+        if chunk_size is not None:
+            check_positive("chunk_size", chunk_size)
         self.pack_length = pack_length
+        self.chunk_size = chunk_size
         tokenize = getattr(tokenizer, "tokenize", tokenizer)
         if not callable(tokenize):
             raise TypeError(f"tokenizer must be an Encoder or a callable, got {type(tokenizer).__name__}")
@@ -49,7 +60,12 @@ class ContrastiveCollator:
     def _features(self, pairs: Sequence[Pair]) -> Features:
         if self.pack_length is None:
             return self.tokenize([list(p) for p in pairs])
-        return self.tokenize([list(p) for p in pairs], pack_length=self.pack_length)
+        if self.chunk_size is None:
+            return self.tokenize([list(p) for p in pairs], pack_length=self.pack_length)
+        k = self.chunk_size
+        chunks = [self.tokenize([list(p) for p in pairs[i : i + k]], pack_length=self.pack_length)
+                  for i in range(0, len(pairs), k)]  # fmt: skip
+        return pack_chunks(chunks)
 
     def __call__(self, samples: Sequence[TrainSample]) -> dict[str, Features]:
         if not samples:

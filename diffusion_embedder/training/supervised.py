@@ -122,7 +122,12 @@ def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None 
         model=encoder,
         args=cfg.training,
         train_dataset=dataset,
-        data_collator=ContrastiveCollator(encoder, num_negatives=num_negatives, pack_length=pack_length),
+        data_collator=ContrastiveCollator(
+            encoder,
+            num_negatives=num_negatives,
+            pack_length=pack_length,
+            chunk_size=cfg.custom.grad_cache_chunk_size,
+        ),
         loss_fn=loss_from_config(cfg.custom.loss_class, cfg.custom),
         grad_cache_chunk_size=cfg.custom.grad_cache_chunk_size,
         group_by=cfg.data.group_by,

@@ -37,6 +37,7 @@ from transformers.integrations import TensorBoardCallback
 from transformers.trainer_utils import rotate_checkpoints
 
 from diffusion_embedder.data import HomogeneousSampler
+from diffusion_embedder.packing import packing_problem
 from diffusion_embedder.training.checkpoints import (
     checkpoint_folder,
     find_last_checkpoint,
@@ -321,6 +322,8 @@ class EncoderTrainer(RunTrainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         columns, k = text_columns(inputs)
+        backbone = self.accelerator.unwrap_model(model).model
+        widest = max(c["attention_mask"].shape[1] for c in columns)
         with self.compute_loss_context_manager():
             loss = grad_cache_step(
                 model,
@@ -329,5 +332,6 @@ class EncoderTrainer(RunTrainer):
                 lambda reps: self.contrastive_loss(reps, k),
                 self.accelerator.backward,
                 self.current_gradient_accumulation_steps,
+                rows=packing_problem(backbone, widest) is None,
             )
         return loss.detach() / self.current_gradient_accumulation_steps
