@@ -207,7 +207,8 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.random_models import SHAPES_7B, TINY_SHAPE, random_encoder
     from diffusion_embedder.training.arguments import validate
-    from diffusion_embedder.training.lora import add_lora, enable_checkpointing
+    from diffusion_embedder.training.checkpointing import enable_checkpointing
+    from diffusion_embedder.training.lora import add_lora
     from diffusion_embedder.training.trainer import EncoderTrainer, text_columns
 
     plan = DRY_PLAN if dry_run else GPU_PLAN

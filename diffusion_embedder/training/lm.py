@@ -44,8 +44,9 @@ from diffusion_embedder.training.arguments import (
     RunArguments,
     read_config_values,
 )
+from diffusion_embedder.training.checkpointing import activation_bytes, enable_checkpointing
 from diffusion_embedder.training.fsdp import lm_stage_rules
-from diffusion_embedder.training.lora import add_lora, enable_checkpointing, log_trainable
+from diffusion_embedder.training.lora import add_lora, log_trainable
 from diffusion_embedder.training.runner import (
     fit_built,
     global_batch_size,
@@ -199,7 +200,11 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
         lm.get_output_embeddings().weight.requires_grad_(False)  # the output is the adapter alone
         for config in lm.model.peft_config.values():
             config.base_model_name_or_path = base
-    enable_checkpointing(lm, t)  # here: the Trainer would call it on AdaptedLM, which has no such method
+    # here: the Trainer would call it on AdaptedLM, which has no such method. "auto" plans for a micro-batch of
+    # blocks and the head's logits at every position (half-precision) with float32 copies where the loss reads them.
+    read = args.mlm_probability if args.objective == "mntp" else 1.0
+    head = lm.config.vocab_size * (activation_bytes(t, lm) + 8 * read)
+    enable_checkpointing(lm, t, t.per_device_train_batch_size * args.max_seq_length, int(head))
     log_trainable(lm)
     return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training, args.objective)
 

@@ -51,6 +51,8 @@ RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] =
     "simcse_dropout": ((0, True), (1, False)),  # the backbone's attention dropout probability
     "pack_length": ((1, True), None),
     "stop_after_n_steps": ((1, True), None),
+    "activation_checkpointing": ((0, True), None),  # a number of decoder layers
+    "gradient_checkpointing": ((0, True), None),
     "num_negatives": ((0, True), None),
     "max_train_samples": ((1, True), None),
     "loss_scale": ((0, False), None),
@@ -87,7 +89,12 @@ REQUIREMENTS = {
 
 #: Fields whose accepted values are wider than their annotation: transformers documents ``fsdp: true`` but
 #: annotates ``fsdp`` as a string.
-TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None}
+#: ``activation_checkpointing`` (``gradient_checkpointing`` on 5.17) also takes a number of layers or "auto"
+#: (``checkpointing.py``).
+TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None, "activation_checkpointing": bool | int | str | None,
+                                  "gradient_checkpointing": bool | int | str | None}
+#: The words a field typed wider than its choices accepts (``TYPE_OVERRIDES``).
+WORDS = {"activation_checkpointing": ("auto",), "gradient_checkpointing": ("auto",)}
 
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
@@ -214,6 +221,8 @@ def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[
             errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {type_text(tp)}")
             continue
         allowed = f.metadata.get("choices") or (_enum_choices(tp) if isinstance(value, str) else None)
+        if allowed is None and isinstance(value, str) and key in WORDS:
+            allowed = WORDS[key]
         if allowed is not None and value not in allowed:
             close = difflib.get_close_matches(str(value), [str(a) for a in allowed if a is not None], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -22,7 +22,8 @@ from diffusion_embedder.training.arguments import (
     TrainConfig,
     parse_args,
 )
-from diffusion_embedder.training.lora import add_lora, continue_adapter, enable_checkpointing, log_trainable
+from diffusion_embedder.training.checkpointing import enable_checkpointing
+from diffusion_embedder.training.lora import add_lora, continue_adapter, log_trainable
 from diffusion_embedder.training.runner import (
     OpenRun,
     fit_built,
@@ -79,9 +80,20 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     return dataset, negatives
 
 
-def prepare_encoder(model_args: ModelArguments, custom: CustomArguments, training_args) -> Encoder:
+def graph_tokens(cfg: TrainConfig, num_negatives: int) -> int:
+    """The most tokens whose graph is alive at once in a step: a GradCache chunk's texts, or every text of the
+    micro-batch (the columns' graphs wait for the loss), each at ``max_length`` (what ``activation_checkpointing:
+    "auto"`` plans for)."""
+    texts = cfg.custom.grad_cache_chunk_size or cfg.training.per_device_train_batch_size * (2 + num_negatives)
+    return texts * cfg.model.max_length
+
+
+def prepare_encoder(
+    model_args: ModelArguments, custom: CustomArguments, training_args, tokens: int | None = None
+) -> Encoder:
     """Load the encoder and make it trainable: a fresh LoRA (after merging an earlier adapter such as
-    MNTP), or, when the adapter's name contains "simcse", that adapter continued (upstream's rule).
+    MNTP), or, when the adapter's name contains "simcse", that adapter continued (upstream's rule); then the
+    decoder layers checkpointed that the config asks for (``tokens`` per graph: what "auto" plans for).
     """
     peft_path = located(model_args.peft_model_name_or_path)
     continuing = peft_path is not None and "simcse" in peft_path.lower()
@@ -100,7 +112,7 @@ def prepare_encoder(model_args: ModelArguments, custom: CustomArguments, trainin
         logger.info("Continuing the adapter %s (no new LoRA).", peft_path)
     else:
         encoder.model = add_lora(encoder.model, custom)
-    enable_checkpointing(encoder.model, training_args)
+    enable_checkpointing(encoder.model, training_args, tokens)
     log_trainable(encoder)
     return encoder
 
@@ -115,7 +127,7 @@ def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None 
     """The supervised stage: data (``build_dataset``'s, read here if not given), trainable encoder, loss and
     collator, each from its config fields."""
     dataset, num_negatives = data or build_dataset(cfg)
-    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training, graph_tokens(cfg, num_negatives))
     return EncoderTrainer(
         model=encoder,
         args=cfg.training,
