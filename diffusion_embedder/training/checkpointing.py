@@ -196,7 +196,8 @@ def activation_bytes(training_args, model: nn.Module) -> int:
 def setting(training_args) -> tuple[str, bool | int | str, dict]:
     """The field as installed (``activation_checkpointing`` on 5.2x, ``gradient_checkpointing`` on 5.17), its
     value and the checkpoint function's keyword arguments."""
-    name = "activation_checkpointing" if hasattr(training_args, "activation_checkpointing") else "gradient_checkpointing"
+    new = hasattr(training_args, "activation_checkpointing")
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
     user = (getattr(training_args, "activation_checkpointing_kwargs", None)
             or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})  # fmt: skip
     return name, getattr(training_args, name), dict(user)
