@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from diffusion_embedder.compilation import decoder_layers
 from diffusion_embedder.training.schema import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -162,13 +163,6 @@ def memory_model(model: nn.Module, tokens: int, act: int, head_per_token: int = 
     state = _bytes(trainable) * 2 + 8 * sum(p.numel() for p in trainable)  # the tensors, their gradients, AdamW's
     return MemoryModel(shape, tokens, act, _bytes(params), state, layer_bytes_per_token(shape, act, lora, mask),
                        head_per_token)  # fmt: skip
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks that transformers can checkpoint, in order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def checkpoint_first(model: nn.Module, count: int, kwargs: dict) -> int:

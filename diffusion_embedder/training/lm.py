@@ -28,6 +28,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from diffusion_embedder import backbones
+from diffusion_embedder.compilation import compile_layers
 from diffusion_embedder.data import load_text_blocks, read_texts
 from diffusion_embedder.data.text import MIN_BLOCK_LENGTH
 from diffusion_embedder.objectives import (
@@ -205,6 +206,8 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
     read = args.mlm_probability if args.objective == "mntp" else 1.0
     head = lm.config.vocab_size * (activation_bytes(t, lm) + 8 * read)
     enable_checkpointing(lm, t, t.per_device_train_batch_size * args.max_seq_length, int(head))
+    if args.compile_layers:
+        compile_layers(lm)
     log_trainable(lm)
     return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training, args.objective)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from diffusion_embedder import clihelp
+from diffusion_embedder.compilation import compile_layers
 from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
 from diffusion_embedder.encoder import Encoder
 from diffusion_embedder.losses import loss_from_config
@@ -113,6 +114,8 @@ def prepare_encoder(
     else:
         encoder.model = add_lora(encoder.model, custom)
     enable_checkpointing(encoder.model, training_args, tokens)
+    if model_args.compile_layers:
+        compile_layers(encoder.model)
     log_trainable(encoder)
     return encoder
 
