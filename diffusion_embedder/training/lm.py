@@ -47,6 +47,7 @@ from diffusion_embedder.training.arguments import (
 )
 from diffusion_embedder.training.checkpointing import activation_bytes, enable_checkpointing
 from diffusion_embedder.training.fsdp import lm_stage_rules
+from diffusion_embedder.training.liger import apply_liger
 from diffusion_embedder.training.lora import add_lora, log_trainable
 from diffusion_embedder.training.runner import (
     fit_built,
@@ -206,6 +207,7 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
     read = args.mlm_probability if args.objective == "mntp" else 1.0
     head = lm.config.vocab_size * (activation_bytes(t, lm) + 8 * read)
     enable_checkpointing(lm, t, t.per_device_train_batch_size * args.max_seq_length, int(head))
+    apply_liger(lm.model, t)
     if args.compile_layers:
         compile_layers(lm)
     log_trainable(lm)

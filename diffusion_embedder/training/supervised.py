@@ -24,6 +24,7 @@ from diffusion_embedder.training.arguments import (
     parse_args,
 )
 from diffusion_embedder.training.checkpointing import enable_checkpointing
+from diffusion_embedder.training.liger import apply_liger
 from diffusion_embedder.training.lora import add_lora, continue_adapter, log_trainable
 from diffusion_embedder.training.runner import (
     OpenRun,
@@ -114,6 +115,7 @@ def prepare_encoder(
     else:
         encoder.model = add_lora(encoder.model, custom)
     enable_checkpointing(encoder.model, training_args, tokens)
+    apply_liger(encoder.model, training_args)
     if model_args.compile_layers:
         compile_layers(encoder.model)
     log_trainable(encoder)
