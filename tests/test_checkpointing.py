@@ -126,3 +126,11 @@ def test_checkpointing_some_layers_keeps_the_gradients(tmp_path):
     assert torch.equal(plain[0], partial[0]) and len(plain[1]) == 28  # 7 projections x 2 layers x (A, B)
     for name, grad in plain[1].items():  # the recomputed forward is the same float32 arithmetic: bit for bit
         assert torch.equal(partial[1][name], grad), name
+
+
+def test_the_gpu_memory_check_runs_on_cpu_with_a_tiny_shape():
+    """A dry run of tests/test_gpu.py::test_memory_model_predicts_the_7b_lora_step_peak's code path."""
+    from test_gpu import lora_step_peak
+
+    measured, predicted = lora_step_peak("cpu", "qwen2", SMALL, (2, 32), 1)
+    assert measured is None and predicted > 0
