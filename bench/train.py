@@ -118,10 +118,12 @@ DRY_PLAN = GpuPlan("tiny", "float32", (8, 16), (16, 48), 8, 32, 2, 128, 64, 2, 5
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     packed: bool
-    checkpointing: bool  # activation checkpointing
+    checkpointing: bool | str  # activation checkpointing: every layer, none, or "auto" (the memory policy)
     grad_cache: bool  # GradCache with ``plan.chunk`` texts per chunk, else the direct path
     large: bool = False  # ``plan.large`` triples instead of ``plan.triples``
     lora_dropout: float = 0.05  # LLM2Vec's; 0 lets peft skip the dropout copy of each adapted layer's input
+    liger: bool = False  # use_liger_kernel (RMSNorm, rotary, SwiGLU)
+    compile: bool = False  # compile_layers (regional torch.compile; aot_eager in the CPU dry run)
 
 
 GPU_CONFIGS = {
@@ -136,6 +138,16 @@ GPU_CONFIGS = {
     "packed, GradCache, large": StepConfig(True, False, True, large=True),
 }
 QUICK = ["padded, ckpt, direct", "packed, ckpt, direct", "packed, GradCache", "packed, GradCache, large"]
+#: Issue 26's fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
+#: together, beside "packed, ckpt, direct".
+SPEED_CONFIGS = {
+    "packed, ckpt auto, direct": StepConfig(True, "auto", False),
+    "packed, ckpt auto, Liger, direct": StepConfig(True, "auto", False, liger=True),
+    "packed, ckpt auto, compile, direct": StepConfig(True, "auto", False, compile=True),
+    "packed, ckpt auto, Liger, compile, direct": StepConfig(True, "auto", False, liger=True, compile=True),
+}
+GPU_CONFIGS.update(SPEED_CONFIGS)
+SPEED = ["packed, ckpt, direct", *SPEED_CONFIGS]
 
 
 def matmul_peak(device: str, n: int, dtype) -> float:
@@ -203,11 +215,13 @@ def profile_table(step, device: str) -> str:
 def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     import torch
 
+    from diffusion_embedder import compilation
     from diffusion_embedder.data import ContrastiveCollator, TrainSample
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.random_models import SHAPES_7B, TINY_SHAPE, random_encoder
     from diffusion_embedder.training.arguments import validate
     from diffusion_embedder.training.checkpointing import enable_checkpointing
+    from diffusion_embedder.training.liger import apply_liger
     from diffusion_embedder.training.lora import add_lora
     from diffusion_embedder.training.trainer import EncoderTrainer, text_columns
 
@@ -222,9 +236,15 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     cfg = validate({"model_name_or_path": str(MODEL), "dataset_name": "Custom", "output_dir": "/tmp/bench_train_gpu",
                     "report_to": "none", "lora_r": 16, "use_cpu": dry_run, "bf16": not dry_run,
                     "activation_checkpointing": step_config.checkpointing, "lora_dropout": step_config.lora_dropout,
+                    "use_liger_kernel": step_config.liger,
                     "per_device_train_batch_size": triples})  # fmt: skip
     encoder.model = add_lora(encoder.model, cfg.custom)  # r 16 on all seven projections
-    enable_checkpointing(encoder.model, cfg.training)
+    graph_tokens = (plan.chunk if grad_cache else 3 * triples) * plan.max_length  # what "auto" plans for
+    checkpointed = enable_checkpointing(encoder.model, cfg.training, graph_tokens)
+    apply_liger(encoder.model, cfg.training)
+    if step_config.compile:
+        compilation.BACKEND = "aot_eager" if dry_run else compilation.BACKEND  # inductor takes minutes on a CPU
+        compilation.compile_layers(encoder.model)
 
     g = torch.Generator().manual_seed(0)
     tokenizer = encoder.tokenizer
@@ -271,7 +291,7 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     return dict(config=config, triples=triples, real_tokens=sum(lengths), padding_efficiency=sum(lengths) / processed,
                 s_per_step=seconds, tokens_per_s=sum(lengths) / seconds, mfu=flops / seconds / peak,
                 peak_tflops=peak / 1e12, peak_gib=memory, sync_sites=syncs,
-                host_syncs=None if syncs is None else sum(syncs.values()), profile=table,
+                host_syncs=None if syncs is None else sum(syncs.values()), profile=table, checkpointed=checkpointed,
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu")  # fmt: skip
 
 
@@ -279,13 +299,16 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     lines = ["| configuration | triples | real tokens | padding eff. | s/step | tokens/s | MFU | peak GiB | syncs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
+        if "not_run" in r:
+            lines.append(f"| {r['config']} | | | | not run: {r['not_run']} | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {r['config']} | | | | failed: {r['error']} | | | | |")
             continue
         lines.append(f"| {r['config']} | {r['triples']} | {r['real_tokens']} | {r['padding_efficiency']:.3f} | "
                      f"{r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
                      f"{'n/a' if r['host_syncs'] is None else r['host_syncs']} |")
-    done = {r["config"]: r for r in rows if "error" not in r}
+    done = {r["config"]: r for r in rows if "error" not in r and "not_run" not in r}
     notes = []
     for cached, direct in (("packed, GradCache", "packed, direct"), ("packed, GradCache", "packed, ckpt, direct")):
         if cached in done and direct in done:
@@ -307,11 +330,24 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     return "\n".join(header + lines + [""] + notes) + "\n"
 
 
+NO_LIGER = "liger-kernel does not import here (pip install 'diffusion-embedder[liger]'; it needs triton)"
+
+
+def liger_installed() -> bool:
+    from transformers.utils import is_liger_kernel_available
+
+    return is_liger_kernel_available()
+
+
 def gpu_main(args: argparse.Namespace) -> None:
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
-    names = [args.profile] if args.profile else QUICK if args.quick else list(GPU_CONFIGS)
+    names = [args.profile] if args.profile else QUICK if args.quick else SPEED if args.speed else list(GPU_CONFIGS)
     rows = []
     for name in names:
+        if GPU_CONFIGS[name].liger and not liger_installed():
+            print(f"NOT RUN {name}: {NO_LIGER}", flush=True)
+            rows.append(dict(config=name, not_run=NO_LIGER))
+            continue
         command = [sys.executable, __file__, "--gpu-worker", name] + (["--dry-run"] if args.dry_run else [])
         command += ["--profile", name] if args.profile else []
         out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -327,7 +363,7 @@ def gpu_main(args: argparse.Namespace) -> None:
             print(table, flush=True)
             if args.out:
                 args.out.with_suffix(".profile.txt").write_text(table)
-    flags = " --dry-run" * args.dry_run + " --quick" * args.quick
+    flags = " --dry-run" * args.dry_run + " --quick" * args.quick + " --speed" * args.speed
     flags += f' --profile "{args.profile}"' if args.profile else ""
     report = gpu_report(rows, plan, f"python bench/train.py --gpu{flags}")
     print(report)
@@ -348,6 +384,7 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="GPU mode: the 7B-shaped LoRA step (module docstring)")
     parser.add_argument("--dry-run", action="store_true", help="GPU mode on the CPU with a tiny shape")
     parser.add_argument("--quick", action="store_true", help="GPU mode: only " + "; ".join(QUICK))
+    parser.add_argument("--speed", action="store_true", help="GPU mode: only " + "; ".join(SPEED))
     parser.add_argument("--profile", default=None, choices=list(GPU_CONFIGS),
                         help="GPU mode: this configuration only, with the profile of one step (torch.profiler)")
     parser.add_argument("--gpu-worker", default=None, help=argparse.SUPPRESS)

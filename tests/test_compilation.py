@@ -83,3 +83,30 @@ def test_fast_paths_train_as_the_plain_path_over_20_steps(tmp_path):
     both = losses_over_20_steps(tmp_path, activation_checkpointing=1, compile_layers=True)
     # measured: the compiled graphs reorder float32 sums; the largest difference over 20 steps is in the table below
     assert both == pytest.approx(plain, rel=1e-4, abs=1e-5)
+
+
+def test_bench_train_speed_rows_dry_run():
+    """bench/train.py --gpu --speed (the checkpointing policy, Liger, compile; alone and together) on the CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(root / "bench" / "train.py"), "--gpu", "--dry-run", "--speed"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {line.split(" | ")[0][2:]: line for line in done.stdout.splitlines() if line.startswith("| packed")}
+    assert list(rows) == ["packed, ckpt, direct", "packed, ckpt auto, direct", "packed, ckpt auto, Liger, direct",
+                          "packed, ckpt auto, compile, direct", "packed, ckpt auto, Liger, compile, direct"]
+    assert not any("failed" in line for line in rows.values()), done.stdout[-3000:]
+    assert ("not run: liger-kernel" in rows["packed, ckpt auto, Liger, direct"]) != _liger_imports()
+    assert "'checkpointed': 0" in done.stdout  # the tiny step fits: "auto" checkpoints no layer
+
+
+def _liger_imports() -> bool:
+    from transformers.utils import is_liger_kernel_available
+
+    return is_liger_kernel_available()
