@@ -101,3 +101,21 @@ def test_fused_head_with_liger_is_refused_where_liger_is_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
     with pytest.raises(ConfigError, match="fused_head with use_liger_kernel: true needs the liger-kernel package"):
         lm_head.head_loss(True)
+
+
+def test_bench_lm_head_dry_run():
+    """bench/train_lm_head.py (the MNTP step with and without the fused head) on the CPU, tiny shape."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    command = [sys.executable, str(root / "bench" / "train_lm_head.py"), "--dry-run"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| MNTP")]
+    assert [row.split(" | ")[0] for row in rows] == ["| MNTP, full logits", "| MNTP, fused head",
+                                                      "| MNTP, fused head, Liger"]  # fmt: skip
+    assert rows[0].split(" | ")[1] == rows[1].split(" | ")[1] == "256"  # 4 blocks of 64 tokens each step
