@@ -110,3 +110,16 @@ def _liger_imports() -> bool:
     from transformers.utils import is_liger_kernel_available
 
     return is_liger_kernel_available()
+
+
+def test_onednn_linear_stays_off_for_compiled_layers():
+    """CPU inference swaps plain linear layers' ``forward`` for oneDNN's; in a compiled layer that would make dynamo
+    recompile at every encode call, so a compiled model keeps PyTorch's path."""
+    from diffusion_embedder.cpu_linear import onednn_linear
+
+    encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE)
+    with torch.inference_mode(), onednn_linear(encoder.model, torch.device("cpu")) as switched:
+        assert switched > 0  # this machine has the op
+    compilation.compile_layers(encoder.model)
+    with torch.inference_mode(), onednn_linear(encoder.model, torch.device("cpu")) as switched:
+        assert switched == 0
