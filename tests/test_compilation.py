@@ -81,7 +81,8 @@ def test_fast_paths_train_as_the_plain_path_over_20_steps(tmp_path):
     checkpointed = losses_over_20_steps(tmp_path, activation_checkpointing=1)
     assert checkpointed == plain  # the same float32 arithmetic recomputed: bit for bit
     both = losses_over_20_steps(tmp_path, activation_checkpointing=1, compile_layers=True)
-    # measured: the compiled graphs reorder float32 sums; the largest difference over 20 steps is in the table below
+    worst = max(abs(a - b) / abs(b) for a, b in zip(both, plain, strict=True))
+    print(f"compiled vs plain over 20 steps: largest relative difference {worst:.2e}")
     assert both == pytest.approx(plain, rel=1e-4, abs=1e-5)
 
 
