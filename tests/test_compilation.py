@@ -81,9 +81,9 @@ def test_fast_paths_train_as_the_plain_path_over_20_steps(tmp_path):
     checkpointed = losses_over_20_steps(tmp_path, activation_checkpointing=1)
     assert checkpointed == plain  # the same float32 arithmetic recomputed: bit for bit
     both = losses_over_20_steps(tmp_path, activation_checkpointing=1, compile_layers=True)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(both, plain, strict=True))
-    print(f"compiled vs plain over 20 steps: largest relative difference {worst:.2e}")
-    assert both == pytest.approx(plain, rel=1e-4, abs=1e-5)
+    # measured: identical losses (aot_eager runs the eager kernels on the traced graphs); inductor's generated
+    # kernels are not exercised here (about a minute per graph on this machine)
+    assert both == plain
 
 
 def test_bench_train_speed_rows_dry_run():
