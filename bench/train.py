@@ -118,10 +118,13 @@ DRY_PLAN = GpuPlan("tiny", "float32", (8, 16), (16, 48), 8, 32, 2, 128, 64, 2, 5
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     packed: bool
-    checkpointing: bool  # activation checkpointing
+    checkpointing: bool | str  # activation checkpointing: every layer, none, or "auto" (the memory policy)
     grad_cache: bool  # GradCache with ``plan.chunk`` texts per chunk, else the direct path
     large: bool = False  # ``plan.large`` triples instead of ``plan.triples``
     lora_dropout: float = 0.05  # LLM2Vec's; 0 lets peft skip the dropout copy of each adapted layer's input
+    liger: bool = False  # use_liger_kernel (RMSNorm, rotary, SwiGLU)
+    compile: bool = False  # compile_layers (regional torch.compile; aot_eager in the CPU dry run)
+    varlen: bool = False  # attn_implementation "varlen" (torch's flash varlen kernel; the reference path on a CPU)
 
 
 GPU_CONFIGS = {
@@ -136,6 +139,19 @@ GPU_CONFIGS = {
     "packed, GradCache, large": StepConfig(True, False, True, large=True),
 }
 QUICK = ["padded, ckpt, direct", "packed, ckpt, direct", "packed, GradCache", "packed, GradCache, large"]
+#: Issue 26's fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
+#: together, beside "packed, ckpt, direct".
+SPEED_CONFIGS = {  # packed rows on varlen: what the supervised stage trains on with CUDA (pack_length "auto")
+    "packed, varlen, ckpt, direct": StepConfig(True, True, False, varlen=True),
+    "packed, varlen, GradCache": StepConfig(True, False, True, varlen=True),
+    "packed, varlen, ckpt auto, direct": StepConfig(True, "auto", False, varlen=True),
+    "packed, varlen, ckpt auto, Liger, direct": StepConfig(True, "auto", False, liger=True, varlen=True),
+    "packed, varlen, ckpt auto, compile, direct": StepConfig(True, "auto", False, compile=True, varlen=True),
+    "packed, varlen, ckpt auto, Liger, compile, direct": StepConfig(True, "auto", False, liger=True, compile=True,
+                                                                    varlen=True),
+}
+GPU_CONFIGS.update(SPEED_CONFIGS)
+SPEED = ["packed, ckpt, direct", *SPEED_CONFIGS]
 
 
 def matmul_peak(device: str, n: int, dtype) -> float:
@@ -212,11 +228,14 @@ def profile_table(step, device: str) -> str:
 def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     import torch
 
+    from diffusion_embedder import compilation
     from diffusion_embedder.data import ContrastiveCollator, TrainSample
     from diffusion_embedder.losses import HardNegativeNLLLoss
     from diffusion_embedder.random_models import SHAPES_7B, TINY_SHAPE, random_encoder
     from diffusion_embedder.training.arguments import validate
-    from diffusion_embedder.training.lora import add_lora, enable_checkpointing
+    from diffusion_embedder.training.checkpointing import enable_checkpointing
+    from diffusion_embedder.training.liger import apply_liger
+    from diffusion_embedder.training.lora import add_lora
     from diffusion_embedder.training.trainer import EncoderTrainer, text_columns
 
     plan = DRY_PLAN if dry_run else GPU_PLAN
@@ -226,13 +245,20 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     device, dtype = ("cpu" if dry_run else "cuda"), getattr(torch, plan.dtype)
     peak = matmul_peak(device, plan.matmul, dtype)
     model_type, dims = TINY_SHAPE if dry_run else SHAPES_7B[plan.shape]
-    encoder = random_encoder(model_type, dims, MODEL, device=device, dtype=dtype, max_length=plan.max_length)
+    encoder = random_encoder(model_type, dims, MODEL, device=device, dtype=dtype, max_length=plan.max_length,
+                             attn="varlen" if step_config.varlen else "sdpa")
     cfg = validate({"model_name_or_path": str(MODEL), "dataset_name": "Custom", "output_dir": "/tmp/bench_train_gpu",
                     "report_to": "none", "lora_r": 16, "use_cpu": dry_run, "bf16": not dry_run,
                     "activation_checkpointing": step_config.checkpointing, "lora_dropout": step_config.lora_dropout,
+                    "use_liger_kernel": step_config.liger,
                     "per_device_train_batch_size": triples})  # fmt: skip
     encoder.model = add_lora(encoder.model, cfg.custom)  # r 16 on all seven projections
-    enable_checkpointing(encoder.model, cfg.training)
+    graph_tokens = (plan.chunk if grad_cache else 3 * triples) * plan.max_length  # what "auto" plans for
+    checkpointed = enable_checkpointing(encoder.model, cfg.training, graph_tokens)
+    apply_liger(encoder.model, cfg.training)
+    if step_config.compile:
+        compilation.BACKEND = "aot_eager" if dry_run else compilation.BACKEND  # inductor takes minutes on a CPU
+        compilation.compile_layers(encoder.model)
 
     g = torch.Generator().manual_seed(0)
     tokenizer = encoder.tokenizer
@@ -280,7 +306,7 @@ def gpu_worker(config: str, dry_run: bool, profile: bool = False) -> dict:
     return dict(config=config, triples=triples, real_tokens=sum(lengths), padding_efficiency=sum(lengths) / processed,
                 s_per_step=seconds, tokens_per_s=sum(lengths) / seconds, mfu=flops / seconds / peak,
                 peak_tflops=peak / 1e12, peak_gib=memory, sync_sites=syncs,
-                host_syncs=None if syncs is None else sum(syncs.values()), profile=table,
+                host_syncs=None if syncs is None else sum(syncs.values()), profile=table, checkpointed=checkpointed,
                 device=torch.cuda.get_device_name() if device == "cuda" else "cpu")  # fmt: skip
 
 
@@ -288,13 +314,16 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     lines = ["| configuration | triples | real tokens | padding eff. | s/step | tokens/s | MFU | peak GiB | syncs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
+        if "not_run" in r:
+            lines.append(f"| {r['config']} | | | | not run: {r['not_run']} | | | | |")
+            continue
         if "error" in r:
             lines.append(f"| {r['config']} | | | | failed: {r['error']} | | | | |")
             continue
         lines.append(f"| {r['config']} | {r['triples']} | {r['real_tokens']} | {r['padding_efficiency']:.3f} | "
                      f"{r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
                      f"{'n/a' if r['host_syncs'] is None else r['host_syncs']} |")
-    done = {r["config"]: r for r in rows if "error" not in r}
+    done = {r["config"]: r for r in rows if "error" not in r and "not_run" not in r}
     notes = []
     for cached, direct in (("packed, GradCache", "packed, direct"), ("packed, GradCache", "packed, ckpt, direct")):
         if cached in done and direct in done:
@@ -316,8 +345,11 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     return "\n".join(header + lines + [""] + notes) + "\n"
 
 
-def run_row(name: str, args: argparse.Namespace, timeout: float) -> dict:
-    """One configuration in a fresh process, stopped at ``timeout`` seconds."""
+def run_row(name: str, args: argparse.Namespace, timeout: float | None) -> dict:
+    """One configuration in a fresh process, stopped at ``timeout`` seconds (None: no limit)."""
+    if GPU_CONFIGS[name].liger and not liger_installed():
+        print(f"NOT RUN {name}: {NO_LIGER}", flush=True)
+        return dict(config=name, not_run=NO_LIGER)
     command = [sys.executable, __file__, "--gpu-worker", name] + (["--dry-run"] if args.dry_run else [])
     command += ["--profile", name] if args.profile else []
     try:
@@ -337,12 +369,22 @@ def run_row(name: str, args: argparse.Namespace, timeout: float) -> dict:
     return row
 
 
+NO_LIGER = "liger-kernel does not import here (pip install 'diffusion-embedder[liger]'; it needs triton)"
+
+
+def liger_installed() -> bool:
+    from transformers.utils import is_liger_kernel_available
+
+    return is_liger_kernel_available()
+
+
 def gpu_main(args: argparse.Namespace) -> None:
     """Each row in turn; with ``--budget`` a row may take what is left and later rows are reported as not run.
     Every row is written (``--out``: the table, and its JSON rows beside it) as soon as it is measured."""
     plan = DRY_PLAN if args.dry_run else GPU_PLAN
-    names = [args.profile] if args.profile else args.rows or (QUICK if args.quick else list(GPU_CONFIGS))
-    flags = " --dry-run" * args.dry_run + " --quick" * args.quick
+    names = [args.profile] if args.profile else args.rows or (
+        QUICK if args.quick else SPEED if args.speed else list(GPU_CONFIGS))
+    flags = " --dry-run" * args.dry_run + " --quick" * args.quick + " --speed" * args.speed
     flags += f' --profile "{args.profile}"' if args.profile else ""
     flags += "".join(f' --rows "{name}"' for name in args.rows or ())
     flags += f" --budget {args.budget:g}" if args.budget else ""
@@ -374,6 +416,7 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="GPU mode: the 7B-shaped LoRA step (module docstring)")
     parser.add_argument("--dry-run", action="store_true", help="GPU mode on the CPU with a tiny shape")
     parser.add_argument("--quick", action="store_true", help="GPU mode: only " + "; ".join(QUICK))
+    parser.add_argument("--speed", action="store_true", help="GPU mode: only " + "; ".join(SPEED))
     parser.add_argument("--profile", default=None, choices=list(GPU_CONFIGS),
                         help="GPU mode: this configuration only, with the profile of one step (torch.profiler)")
     parser.add_argument("--rows", action="append", choices=list(GPU_CONFIGS), default=None,

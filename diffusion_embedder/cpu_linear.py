@@ -9,6 +9,9 @@ training never uses it; it is only switched on under ``torch.inference_mode``/``
 of Llama, Mistral and Qwen2/3 (LLaDA and Dream run on these) also fuse their SiLU and product into the
 matmuls (oneDNN post-ops), saving two passes over the widest activations.
 
+A model whose layers ``compilation.compile_layers`` compiled keeps PyTorch's path (the compiler fuses them itself;
+swapping their ``forward`` would make it recompile).
+
 Set ``DIFFUSION_EMBEDDER_ONEDNN_LINEAR=0`` to keep PyTorch's own path. Where the op is missing, or
 its first result disagrees with ``F.linear``, the default path is kept (logged once).
 """
@@ -23,6 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from diffusion_embedder.compilation import compiled_layers
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +115,7 @@ def onednn_linear(model: nn.Module, device: torch.device) -> Iterator[int]:
     """
     if torch.is_grad_enabled():
         raise RuntimeError("onednn_linear is for inference: the oneDNN op has no gradient; use torch.no_grad()")
-    switch = wanted(device)
+    switch = wanted(device) and not compiled_layers(model)  # a compiled layer is the compiler's to fuse
     mlps = [m for m in model.modules() if _fusable_mlp(m)] if switch else []
     layers = [m for m in model.modules() if _eligible(m)] if switch else []
     for mlp in mlps:

@@ -310,7 +310,7 @@ class Encoder(nn.Module):
         max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
-        packing: str | bool = "auto",
+        packing: str | bool = "auto", compile: bool = False,
     ) -> torch.Tensor | np.ndarray | list:
         """Embed ``sentences`` (strings or ``[instruction, text]`` pairs), in input order (``show_progress_bar``;
         ``convert_to_tensor`` is accepted for sentence-transformers' signature: a tensor is the default).
@@ -332,7 +332,7 @@ class Encoder(nn.Module):
         as the longest text of each tokenization step (at most ``packing.MAX_ROW_LENGTH``), ``batch_size``
         rows per forward (or as many as fit ``max_tokens_per_batch``); on CUDA widths and row counts are
         rounded to powers of two (``packing.BOUNDED_SHAPES``) so compiled attention sees few shapes. The
-        embeddings are the same.
+        embeddings are the same. ``compile=True`` compiles each decoder layer once, in place (``compilation.py``).
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
         (done automatically when several GPUs are visible); ``pool`` (from ``start_multi_process_pool``)
         runs them on that pool's workers instead. ``chunk_size`` is accepted for sentence-transformers'
@@ -343,7 +343,7 @@ class Encoder(nn.Module):
             prompt=prompt, prompt_name=prompt_name, output_value=output_value,
             normalize_embeddings=normalize_embeddings, truncate_dim=truncate_dim, precision=precision, pool=pool,
             chunk_size=chunk_size, max_tokens_per_batch=max_tokens_per_batch, max_length=max_length,
-            doc_max_length=doc_max_length, packing=packing,
+            doc_max_length=doc_max_length, packing=packing, compile=compile,
         )
 
     def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:

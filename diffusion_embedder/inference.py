@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from diffusion_embedder import outputs
+from diffusion_embedder import compilation, outputs
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig
 from diffusion_embedder.devices import check_device
@@ -378,6 +378,7 @@ def encode(
     max_length: int | None,
     doc_max_length: int | None,
     packing: str | bool,
+    compile: bool = False,
 ) -> torch.Tensor | np.ndarray | list:
     """``Encoder.encode``, whose docstring says what each argument does."""
     precision = check_precision("float32" if precision is None else precision)  # None: sentence-transformers' float32
@@ -404,6 +405,10 @@ def encode(
             return []
         out = torch.zeros((0, encoder.embedding_dim), dtype=torch.float32)
         return finish(out, truncate_dim, normalize_embeddings, precision, single, convert_to_numpy, convert_to_tensor)
+    if compile:  # the layers stay compiled: a later call reuses them
+        if pool is not None or len(devices) > 1:
+            raise ValueError("compile=True runs on one device: a device pool's workers hold their own copies")
+        compilation.compile_layers(encoder.model)
     if pool is None and len(devices) > 1:
         pool = own_pool(encoder, devices)
     if output_value != "sentence_embedding":  # per-token states: padded batches of inputs tokenized at once

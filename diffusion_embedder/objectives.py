@@ -39,6 +39,44 @@ def _zero(logits: torch.Tensor) -> torch.Tensor:
     return logits.sum() * 0.0
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What a loss reads: the logits at ``positions`` (bool, B x L) predict ``ids``; the loss is the mean
+    cross-entropy, or, with ``divisors``, the sum of each cross-entropy over its divisor, over ``denominator``.
+    The LM stage's fused head (``fused_head``) computes the head at these positions only."""
+
+    positions: torch.Tensor
+    ids: torch.Tensor
+    divisors: torch.Tensor | None = None
+    denominator: torch.Tensor | None = None
+
+
+def _before(target: torch.Tensor) -> torch.Tensor:
+    """``target`` over positions 1.. as the positions 0.. of the logits that predict them."""
+    return F.pad(target, (0, 1), value=False)
+
+
+def reduce_targets(token_loss: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """Per-token cross-entropies (in ``targets.ids`` order) as the objective's loss."""
+    if targets.divisors is None:
+        return token_loss.mean()
+    return (token_loss / targets.divisors).sum() / targets.denominator.clamp_min(1).to(token_loss.device)
+
+
+def targets_loss(logit_rows: torch.Tensor, targets: Targets) -> torch.Tensor:
+    """The objective's loss from the logits at ``targets.positions`` (n x vocab)."""
+    if targets.divisors is None:
+        return F.cross_entropy(logit_rows.float(), targets.ids)
+    return reduce_targets(F.cross_entropy(logit_rows.float(), targets.ids, reduction="none"), targets)
+
+
+def mntp_targets(input_ids, masked, attention_mask=None) -> Targets | None:
+    """MNTP's: the logits at i - 1 predict the original token at each masked real position i >= 1."""
+    _check_no_first(masked, "mntp_loss")
+    target = _real(masked, attention_mask)[:, 1:]
+    return Targets(_before(target), input_ids[:, 1:][target]) if target.any() else None
+
+
 def mntp_loss(
     logits: torch.Tensor, input_ids: torch.Tensor, masked: torch.Tensor, attention_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -47,11 +85,8 @@ def mntp_loss(
     Mean cross-entropy over the masked real positions (i >= 1), as LLM2Vec gets it from a causal-LM
     head with labels -100 everywhere but the masked positions.
     """
-    _check_no_first(masked, "mntp_loss")
-    target = _real(masked, attention_mask)[:, 1:]
-    if not target.any():
-        return _zero(logits)
-    return F.cross_entropy(logits[:, :-1][target].float(), input_ids[:, 1:][target])
+    targets = mntp_targets(input_ids, masked, attention_mask)
+    return _zero(logits) if targets is None else targets_loss(logits[targets.positions], targets)
 
 
 def mdm_loss(
@@ -68,16 +103,21 @@ def mdm_loss(
     logits at i - 1; position 0 is never masked), ``shift=False`` LLaDA's (position i from the logits
     at i). With padding, the divisor is the number of real tokens (B x L when there is none).
     """
+    targets = mdm_targets(input_ids, masked, t, shift, attention_mask)
+    return _zero(logits) if targets is None else targets_loss(logits[targets.positions], targets)
+
+
+def mdm_targets(input_ids, masked, t, shift: bool, attention_mask=None) -> Targets | None:
+    """Masked diffusion's: each masked real token, weighted 1 / t of its sequence, over the real tokens."""
     real = _real(masked, attention_mask)
     denominator = attention_mask.sum() if attention_mask is not None else torch.tensor(masked.numel())
     if shift:
         _check_no_first(masked, "mdm_loss(shift=True)")
-        logits, real, input_ids = logits[:, :-1], real[:, 1:], input_ids[:, 1:]
+        real, input_ids = real[:, 1:], input_ids[:, 1:]
     if not real.any():
-        return _zero(logits)
+        return None
     rows = torch.nonzero(real, as_tuple=True)[0]
-    token_loss = F.cross_entropy(logits[real].float(), input_ids[real], reduction="none") / t[rows].float()
-    return token_loss.sum() / denominator.clamp_min(1).to(token_loss.device)
+    return Targets(_before(real) if shift else real, input_ids[real], t[rows].float(), denominator)
 
 
 def clm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,6 +129,15 @@ def clm_loss(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torc
     if not target.any():
         return _zero(logits)
     return F.cross_entropy(logits[:, :-1][target].float(), input_ids[:, 1:][target])
+
+
+def clm_targets(input_ids, attention_mask=None) -> Targets | None:
+    """The causal LM's: every real token with a real predecessor, from the logits before it."""
+    target = torch.ones_like(input_ids[:, 1:], dtype=torch.bool)
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        target = real[:, 1:] & real[:, :-1]
+    return Targets(_before(target), input_ids[:, 1:][target]) if target.any() else None
 
 
 # ---------------------------------------------------------------------------------------------- maskers
@@ -253,6 +302,7 @@ class Objective:
     bidirectional: bool
     masker: Callable[[ObjectiveOptions], Masker]
     loss: Callable[[torch.Tensor, MaskedBatch, ObjectiveOptions], torch.Tensor]
+    targets: Callable[[MaskedBatch, ObjectiveOptions], Targets | None]  # what ``loss`` reads (the fused head's)
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -260,15 +310,18 @@ OBJECTIVES: dict[str, Objective] = {
         bidirectional=True,
         masker=lambda o: MntpMasker(o.mask_token_id, o.vocab_size, o.mlm_probability, o.mntp_collator, o.special_ids),
         loss=lambda logits, b, o: mntp_loss(logits, b.labels, b.masked, b.attention_mask),
+        targets=lambda b, o: mntp_targets(b.labels, b.masked, b.attention_mask),
     ),
     "mdm": Objective(
         bidirectional=True,
         masker=lambda o: MdmMasker(o.mask_token_id, o.mdm_eps, o.mdm_shift, o.special_ids),
         loss=lambda logits, b, o: mdm_loss(logits, b.labels, b.masked, b.t, o.mdm_shift, b.attention_mask),
+        targets=lambda b, o: mdm_targets(b.labels, b.masked, b.t, o.mdm_shift, b.attention_mask),
     ),
     "clm": Objective(
         bidirectional=False,
         masker=lambda o: ClmMasker(),
         loss=lambda logits, b, o: clm_loss(logits, b.labels, b.attention_mask),
+        targets=lambda b, o: clm_targets(b.labels, b.attention_mask),
     ),
 }

@@ -354,3 +354,76 @@ def test_a_packed_varlen_training_step_equals_a_padded_sdpa_step_on_cuda(tmp_pat
     assert fast_grads.keys() == grads.keys()
     for name, grad in grads.items():
         assert cosine(fast_grads[name].flatten(), grad.flatten()) >= 0.99, name
+
+
+def lora_step_peak(device: str, model_type: str, dims: dict, tokens: tuple[int, int], checkpointed: int):
+    """One LoRA step (r 16 on all seven projections, dropout 0.05, AdamW) of a random backbone with the first
+    ``checkpointed`` layers checkpointed: the measured peak (None off CUDA) and ``checkpointing.memory_model``'s."""
+    from diffusion_embedder.training.arguments import LoraArguments
+    from diffusion_embedder.training.checkpointing import checkpoint_first, memory_model
+    from diffusion_embedder.training.lora import add_lora
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    encoder = random_encoder(model_type, dims, LLAMA_FIXTURE, device=device, dtype=dtype)
+    model = add_lora(encoder.model, LoraArguments(lora_r=16, lora_dropout=0.05)).train()
+    model.enable_input_require_grads()  # as the Trainer's checkpointing does: every layer's input needs a gradient
+    checkpoint_first(model, checkpointed, {})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    ids = torch.randint(10, dims["vocab_size"] - 10, tokens, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):  # the second step holds AdamW's moments too
+        hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).last_hidden_state
+        hidden.float().mean(1).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measured = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    predicted = memory_model(model, ids.numel(), act=dtype.itemsize).peak(checkpointed)
+    return measured, predicted
+
+
+@pytest.mark.parametrize("checkpointed", [28, 20])
+def test_memory_model_predicts_the_7b_lora_step_peak(checkpointed):
+    """The activation_checkpointing "auto" policy's prediction against max_memory_allocated, Qwen2.5-7B shape,
+    8 x 1024 tokens. The tolerance is not measured yet (no GPU in the session that wrote it): 20%, to be set from
+    the first run's figure, which the assertion message prints."""
+    torch.cuda.empty_cache()
+    model_type, dims = SHAPES_7B["qwen2.5-7b"]
+    measured, predicted = lora_step_peak("cuda", model_type, dims, (8, 1024), checkpointed)
+    figures = f"predicted {predicted / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB"
+    assert abs(predicted / measured - 1) < 0.2, figures
+
+
+def test_liger_kernel_equals_the_plain_model_in_bfloat16():
+    """Liger's RMSNorm, rotary and SwiGLU on a bf16 Qwen2 backbone (Dream's family): embeddings and LoRA gradients
+    as the plain model's within bf16 tolerance (cosine >= 0.999: unmeasured, to be set from the first run)."""
+    pytest.importorskip("liger_kernel.transformers", reason="pip install 'diffusion-embedder[liger]'")
+    from types import SimpleNamespace
+
+    from diffusion_embedder.training.arguments import LoraArguments
+    from diffusion_embedder.training.liger import apply_liger
+    from diffusion_embedder.training.lora import add_lora
+
+    dims = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=4, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936)  # fmt: skip
+
+    def run(liger: bool):
+        encoder = random_encoder("qwen2", dims, LLAMA_FIXTURE, device="cuda", dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        encoder.model = add_lora(encoder.model, LoraArguments(lora_r=8, lora_dropout=0.0))
+        for name, param in encoder.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.05)
+        if liger:
+            apply_liger(encoder.model, SimpleNamespace(use_liger_kernel=True, liger_kernel_config=None))
+        encoder.train()
+        features = {k: v.cuda() for k, v in encoder.tokenize(MIXED_TEXTS[:8]).items()}
+        out = encoder(features)
+        out.float().pow(2).sum().backward()
+        grads = torch.cat([p.grad.flatten().float() for n, p in encoder.model.named_parameters() if "lora_A" in n])
+        return out.float().detach(), grads
+
+    (plain, plain_grads), (fused, fused_grads) = run(False), run(True)
+    assert torch.nn.functional.cosine_similarity(plain, fused).min() > 0.999
+    assert torch.nn.functional.cosine_similarity(plain_grads, fused_grads, dim=0) > 0.999

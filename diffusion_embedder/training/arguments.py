@@ -56,6 +56,9 @@ class BackboneArguments:
     attn_implementation: str = field(
         default="sdpa", metadata={"help": "Attention kernel.", "choices": ATTN_IMPLEMENTATIONS}
     )
+    compile_layers: bool = field(
+        default=False, metadata={"help": "torch.compile each decoder layer once (dynamic shapes; compilation.py)."}
+    )
 
 
 @dataclass(kw_only=True)

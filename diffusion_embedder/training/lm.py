@@ -28,6 +28,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from diffusion_embedder import backbones
+from diffusion_embedder.compilation import compile_layers
 from diffusion_embedder.data import load_text_blocks, read_texts
 from diffusion_embedder.data.text import MIN_BLOCK_LENGTH
 from diffusion_embedder.objectives import (
@@ -44,8 +45,11 @@ from diffusion_embedder.training.arguments import (
     RunArguments,
     read_config_values,
 )
+from diffusion_embedder.training.checkpointing import activation_bytes, enable_checkpointing
 from diffusion_embedder.training.fsdp import lm_stage_rules
-from diffusion_embedder.training.lora import add_lora, enable_checkpointing, log_trainable
+from diffusion_embedder.training.liger import apply_liger
+from diffusion_embedder.training.lm_head import head_loss
+from diffusion_embedder.training.lora import add_lora, log_trainable
 from diffusion_embedder.training.runner import (
     fit_built,
     global_batch_size,
@@ -89,13 +93,22 @@ class LMStageArguments(RunArguments, LoraArguments, BackboneArguments):
     mdm_eps: float = field(default=1e-3, metadata={"help": "MDM: mask ratio t ~ U(eps, 1)."})
     mdm_shift: bool = field(default=True, metadata={"help": "MDM: predict i from i-1 (Dream) or from i (LLaDA)."})
     full_training: bool = field(default=False, metadata={"help": "Train every weight, no LoRA (small models)."})
+    fused_head: bool = field(
+        default=False,
+        metadata={"help": "LM head and loss at the positions the loss reads only (Liger's fused linear "
+                  "cross-entropy with use_liger_kernel), not logits at every position."},
+    )
 
 
 def data_problems(values: dict[str, Any]) -> list[str]:
-    """The LM stage's rule across fields: its text comes from the hub or from local files."""
+    """The LM stage's rules across fields: its text comes from the hub or from local files; the fused head calls
+    the model's parts directly, which a sharded (FSDP) model does not allow."""
+    problems = []
     if bool(values.get("dataset_name")) == bool(values.get("train_file")):
-        return ["give either dataset_name (hub) or train_file (local), not both or neither"]
-    return []
+        problems.append("give either dataset_name (hub) or train_file (local), not both or neither")
+    if values.get("fused_head") and values.get("fsdp"):
+        problems.append("fused_head: not with fsdp (the head would run outside the sharded root); drop one")
+    return problems
 
 
 LM_STAGE = StageSchema(
@@ -145,6 +158,10 @@ class AdaptedLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The last hidden states, before the head (the fused head's input)."""
+        return self.lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
     def save(self, folder: str, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """The folder; ``state_dict`` (this module's, gathered from the shards under FSDP) replaces the weights'
@@ -199,7 +216,14 @@ def build_model(args: LMStageArguments, objective: Objective, t: TrainingArgumen
         lm.get_output_embeddings().weight.requires_grad_(False)  # the output is the adapter alone
         for config in lm.model.peft_config.values():
             config.base_model_name_or_path = base
-    enable_checkpointing(lm, t)  # here: the Trainer would call it on AdaptedLM, which has no such method
+    # here: the Trainer would call it on AdaptedLM, which has no such method. "auto" plans for a micro-batch of
+    # blocks and the head's logits at every position (half-precision) with float32 copies where the loss reads them.
+    read = args.mlm_probability if args.objective == "mntp" else 1.0
+    head = lm.config.vocab_size * (activation_bytes(t, lm) + 8 * read)
+    enable_checkpointing(lm, t, t.per_device_train_batch_size * args.max_seq_length, int(head))
+    apply_liger(lm.model, t)
+    if args.compile_layers:
+        compile_layers(lm)
     log_trainable(lm)
     return AdaptedLM(lm, tokenizer, base, backbones.read_config_dict(base), args.full_training, args.objective)
 
@@ -213,8 +237,9 @@ def stack_blocks(blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 class LMStageTrainer(RunTrainer):
     """``RunTrainer`` whose loss is the stage objective's, on the logits of the masked blocks."""
 
-    def __init__(self, *args, objective: Objective, options: ObjectiveOptions, **kwargs):
+    def __init__(self, *args, objective: Objective, options: ObjectiveOptions, fused_head=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.fused_head = fused_head  # liger.head_loss's: (hidden rows, head, targets) -> loss; None: full logits
         self.objective = objective
         self.options = options
         self.masker = objective.masker(options)
@@ -225,10 +250,22 @@ class LMStageTrainer(RunTrainer):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor], return_outputs: bool = False, **kwargs):
         batch = self.masker(inputs["input_ids"], inputs.get("attention_mask"))
-        logits = model(batch.input_ids, batch.attention_mask)
-        loss = self.objective.loss(logits, batch, self.options)
+        if self.fused_head is not None:
+            loss, logits = self.fused_loss(model, batch), None
+        else:
+            logits = model(batch.input_ids, batch.attention_mask)
+            loss = self.objective.loss(logits, batch, self.options)
         self.check_finite(loss)
         return (loss, logits) if return_outputs else loss
+
+    def fused_loss(self, model: nn.Module, batch) -> torch.Tensor:
+        """The objective's loss with the head computed at the positions it reads only (``fused_head``)."""
+        adapted = self.accelerator.unwrap_model(model)
+        hidden = adapted.hidden(batch.input_ids, batch.attention_mask)
+        targets = self.objective.targets(batch, self.options)
+        if targets is None:
+            return hidden.sum() * 0.0  # nothing to predict: no NaN, no update
+        return self.fused_head(hidden[targets.positions], adapted.get_output_embeddings(), targets)
 
 
 def objective_options(args: LMStageArguments, model: AdaptedLM) -> ObjectiveOptions:
@@ -254,6 +291,7 @@ def train(values: dict[str, Any], source: str = "config") -> str:
     # the text first: a bad data file stops the run before its folder is touched
     texts = read_texts(args.dataset_name, args.dataset_config_name, args.train_file or (), args.text_column)
     run = open_run(t, args.experiment_id or experiment_id(args, t), values, args, LM_STAGE.classes)
+    fused_head = head_loss(t.use_liger_kernel) if args.fused_head else None  # before build_model clears the flag
 
     def build() -> LMStageTrainer:
         objective = OBJECTIVES[args.objective]
@@ -268,6 +306,7 @@ def train(values: dict[str, Any], source: str = "config") -> str:
             data_collator=stack_blocks,
             objective=objective,
             options=objective_options(args, model),
+            fused_head=fused_head,
             run_config=dict(values),
         )
 

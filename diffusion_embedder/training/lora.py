@@ -1,11 +1,10 @@
 """Making a loaded model trainable, for every stage: LoRA from the shared ``LoraArguments`` (or an
-earlier adapter continued), activation checkpointing, and the trainable-parameter count in the log."""
+earlier adapter continued) and the trainable-parameter count in the log (checkpointing: ``checkpointing.py``)."""
 
 from __future__ import annotations
 
 import logging
 
-import torch
 from torch import nn
 
 from diffusion_embedder.training.arguments import LoraArguments
@@ -51,28 +50,6 @@ def continue_adapter(model: nn.Module) -> None:
         param.requires_grad = "lora_" in name
     for config in model.peft_config.values():
         config.inference_mode = False
-
-
-def enable_checkpointing(model: torch.nn.Module, training_args) -> None:
-    """Turn on activation checkpointing on ``model`` if the arguments ask for it, then clear the flag (the
-    Trainer would call it on the outer model, which may have no such method).
-
-    transformers 5.23 names it ``activation_checkpointing``; 5.17 (on the GPU machines) only knows
-    ``gradient_checkpointing``: both spellings are read, and the model's own method is used.
-    """
-    enabled = getattr(training_args, "activation_checkpointing", None) or training_args.gradient_checkpointing
-    if not enabled:
-        return
-    user = (getattr(training_args, "activation_checkpointing_kwargs", None)
-            or getattr(training_args, "gradient_checkpointing_kwargs", None) or {})
-    kwargs = {"use_reentrant": False, **user}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    training_args.gradient_checkpointing = False
-    if hasattr(training_args, "activation_checkpointing"):
-        training_args.activation_checkpointing = False
 
 
 def log_trainable(model: nn.Module) -> None:

@@ -51,6 +51,8 @@ RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] =
     "simcse_dropout": ((0, True), (1, False)),  # the backbone's attention dropout probability
     "pack_length": ((1, True), None),
     "stop_after_n_steps": ((1, True), None),
+    "activation_checkpointing": ((0, True), None),  # a number of decoder layers
+    "gradient_checkpointing": ((0, True), None),
     "num_negatives": ((0, True), None),
     "max_train_samples": ((1, True), None),
     "loss_scale": ((0, False), None),
@@ -72,22 +74,36 @@ _NO_EVAL = "there is no evaluation during training yet; evaluate checkpoints wit
 #: Settings we accept in the config but cannot honour yet: the only value allowed, and why.
 UNSUPPORTED = {"eval_strategy": ("no", _NO_EVAL), "do_eval": (False, _NO_EVAL)}
 
-#: Values that need what a machine may lack: ``(field, value) -> (transformers.utils check, what it needs)``.
+#: Values that need what a machine may lack: ``(field, value) -> (transformers.utils check, what it needs, the fix)``.
 #: Such a value stops the run here, with the config; it never falls back to another kernel.
 REQUIREMENTS = {
     ("attn_implementation", "flash_attention_2"): (
         "is_flash_attn_2_available",
         "the flash-attn package and a CUDA GPU",
+        "pip install flash-attn --no-build-isolation",
     ),
     ("attn_implementation", "flash_attention_3"): (
         "is_flash_attn_3_available",
         "FlashAttention 3 (flash_attn_interface) and a CUDA GPU",
+        "pip install flash-attn --no-build-isolation",
+    ),
+    ("use_liger_kernel", True): (
+        "is_liger_kernel_available",
+        "the liger-kernel package (Triton kernels: a CUDA GPU)",
+        "pip install 'diffusion-embedder[liger]'",
     ),
 }
+#: What to set instead of a value ``REQUIREMENTS`` cannot honour.
+INSTEAD = {"attn_implementation": ('"sdpa"', "sdpa"), "use_liger_kernel": ("false", "false")}
 
 #: Fields whose accepted values are wider than their annotation: transformers documents ``fsdp: true`` but
 #: annotates ``fsdp`` as a string.
-TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None}
+#: ``activation_checkpointing`` (``gradient_checkpointing`` on 5.17) also takes a number of layers or "auto"
+#: (``checkpointing.py``).
+TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None, "activation_checkpointing": bool | int | str | None,
+                                  "gradient_checkpointing": bool | int | str | None}
+#: The words a field typed wider than its choices accepts (``TYPE_OVERRIDES``).
+WORDS = {"activation_checkpointing": ("auto",), "gradient_checkpointing": ("auto",)}
 
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
@@ -118,12 +134,12 @@ def requirement_errors(values: dict[str, Any]) -> list[str]:
     import transformers.utils
 
     errors = []
-    for (name, value), (check, needs) in REQUIREMENTS.items():
+    for (name, value), (check, needs, install) in REQUIREMENTS.items():
         if values.get(name) == value and not getattr(transformers.utils, check)():
             errors.append(
                 f"{name}: {value!r} needs {needs}, which this machine lacks (no other kernel is used instead). "
-                f'Set "{name}": "sdpa" in the config (PyTorch\'s attention, as the shipped configs do) or pass '
-                f"--{name} sdpa; or install what it needs (pip install flash-attn --no-build-isolation)"
+                f'Set "{name}": {INSTEAD[name][0]} in the config or pass --{name} {INSTEAD[name][1]}; or install '
+                f"what it needs ({install})"
             )
     return errors
 
@@ -212,6 +228,10 @@ def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[
         _, f, tp = table[key]
         if not matches_type(value, tp):
             errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {type_text(tp)}")
+            continue
+        if isinstance(value, str) and key in WORDS:
+            if value not in WORDS[key]:
+                errors.append(f"{key}: {value!r} (str) is not of type bool or int, nor one of {list(WORDS[key])}")
             continue
         allowed = f.metadata.get("choices") or (_enum_choices(tp) if isinstance(value, str) else None)
         if allowed is not None and value not in allowed:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from diffusion_embedder import clihelp
+from diffusion_embedder.compilation import compile_layers
 from diffusion_embedder.data import DATASET_READERS, ContrastiveCollator, ContrastiveDataset, load_train_dataset
 from diffusion_embedder.encoder import Encoder
 from diffusion_embedder.losses import loss_from_config
@@ -22,7 +23,9 @@ from diffusion_embedder.training.arguments import (
     TrainConfig,
     parse_args,
 )
-from diffusion_embedder.training.lora import add_lora, continue_adapter, enable_checkpointing, log_trainable
+from diffusion_embedder.training.checkpointing import enable_checkpointing
+from diffusion_embedder.training.liger import apply_liger
+from diffusion_embedder.training.lora import add_lora, continue_adapter, log_trainable
 from diffusion_embedder.training.rows import training_rows
 from diffusion_embedder.training.runner import (
     OpenRun,
@@ -80,9 +83,20 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     return dataset, negatives
 
 
-def prepare_encoder(model_args: ModelArguments, custom: CustomArguments, training_args) -> Encoder:
+def graph_tokens(cfg: TrainConfig, num_negatives: int) -> int:
+    """The most tokens whose graph is alive at once in a step: a GradCache chunk's texts, or every text of the
+    micro-batch (the columns' graphs wait for the loss), each at ``max_length`` (what ``activation_checkpointing:
+    "auto"`` plans for)."""
+    texts = cfg.custom.grad_cache_chunk_size or cfg.training.per_device_train_batch_size * (2 + num_negatives)
+    return texts * cfg.model.max_length
+
+
+def prepare_encoder(
+    model_args: ModelArguments, custom: CustomArguments, training_args, tokens: int | None = None
+) -> Encoder:
     """Load the encoder and make it trainable: a fresh LoRA (after merging an earlier adapter such as
-    MNTP), or, when the adapter's name contains "simcse", that adapter continued (upstream's rule).
+    MNTP), or, when the adapter's name contains "simcse", that adapter continued (upstream's rule); then the
+    decoder layers checkpointed that the config asks for (``tokens`` per graph: what "auto" plans for).
     """
     peft_path = located(model_args.peft_model_name_or_path)
     continuing = peft_path is not None and "simcse" in peft_path.lower()
@@ -101,7 +115,10 @@ def prepare_encoder(model_args: ModelArguments, custom: CustomArguments, trainin
         logger.info("Continuing the adapter %s (no new LoRA).", peft_path)
     else:
         encoder.model = add_lora(encoder.model, custom)
-    enable_checkpointing(encoder.model, training_args)
+    enable_checkpointing(encoder.model, training_args, tokens)
+    apply_liger(encoder.model, training_args)
+    if model_args.compile_layers:
+        compile_layers(encoder.model)
     log_trainable(encoder)
     return encoder
 
@@ -116,7 +133,7 @@ def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None 
     """The supervised stage: data (``build_dataset``'s, read here if not given), trainable encoder, its rows and
     attention (``rows.training_rows``), loss and collator, each from its config fields."""
     dataset, num_negatives = data or build_dataset(cfg)
-    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
+    encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training, graph_tokens(cfg, num_negatives))
     pack_length = training_rows(cfg.custom.pack_length, encoder)
     return EncoderTrainer(
         model=encoder,

@@ -1,0 +1,52 @@
+"""Regional ``torch.compile``: each decoder layer compiled once, for ``encode(..., compile=True)`` and the
+training stages' ``compile_layers`` field.
+
+Compiling the repeated block rather than the whole model keeps the compile time to one layer's (the layers share
+their code, so dynamo compiles one graph and reuses it with each layer's weights) and leaves the Python around the
+layers (pooling, packing, GradCache, the loss) as it is. Shapes are dynamic from the first call, so batches of other
+lengths and row counts reuse the graph instead of recompiling per batch (packed rows on CUDA also come in powers of
+two, ``packing.BOUNDED_SHAPES``). Off by default: compiling costs seconds to minutes and pays only over many batches
+(``bench/results/encode.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: The compiler backend (tests set "aot_eager": the same graphs, traced without inductor's code generation).
+BACKEND = "inductor"
+#: Set on a layer once compiled, so a second request (another encode call) compiles nothing again.
+COMPILED = "_compiled_by_diffusion_embedder"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformers' checkpointable layers), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_layers(model: nn.Module, backend: str | None = None) -> int:
+    """Compile every decoder layer of ``model`` in place (``nn.Module.compile``, dynamic shapes); returns how many
+    layers are compiled. A model without such layers is refused: nothing would be compiled."""
+    backend = backend or BACKEND
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"compile: {type(model).__name__} has no decoder layers to compile")
+    fresh = [layer for layer in layers if not getattr(layer, COMPILED, False)]
+    for layer in fresh:
+        layer.compile(backend=backend, dynamic=True)
+        setattr(layer, COMPILED, True)
+    if fresh:
+        logger.info("Compiling %d decoder layers (torch.compile, backend %s, dynamic shapes) on first use.",
+                    len(fresh), backend)  # fmt: skip
+    return len(layers)
+
+
+def compiled_layers(model: nn.Module) -> int:
+    """How many of ``model``'s decoder layers ``compile_layers`` compiled."""
+    return sum(bool(getattr(layer, COMPILED, False)) for layer in decoder_layers(model))
