@@ -50,3 +50,12 @@ def compile_layers(model: nn.Module, backend: str | None = None) -> int:
 def compiled_layers(model: nn.Module) -> int:
     """How many of ``model``'s decoder layers ``compile_layers`` compiled."""
     return sum(bool(getattr(layer, COMPILED, False)) for layer in decoder_layers(model))
+
+
+def uncompile_layers(model: nn.Module) -> None:
+    """Run ``model``'s decoder layers eagerly again (what ``compile_layers`` did, undone): a benchmark compares the
+    compiled layers with the same model object's eager ones."""
+    for layer in decoder_layers(model):
+        if getattr(layer, COMPILED, False):
+            layer._compiled_call_impl = None  # what ``nn.Module.compile`` set
+            delattr(layer, COMPILED)

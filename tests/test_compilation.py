@@ -128,3 +128,15 @@ def test_onednn_linear_stays_off_for_compiled_layers():
     compilation.compile_layers(encoder.model)
     with torch.inference_mode(), onednn_linear(encoder.model, torch.device("cpu")) as switched:
         assert switched == 0
+
+
+def test_uncompile_layers_runs_the_layers_eagerly_again():
+    """What the GPU benchmark relies on to measure the compiled row and then the eager ones on one model."""
+    encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE)
+    layers = compilation.decoder_layers(encoder.model)
+    compilation.compile_layers(encoder.model, backend="aot_eager")
+    assert compilation.compiled_layers(encoder.model) == len(layers) > 0
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    compilation.uncompile_layers(encoder.model)
+    assert compilation.compiled_layers(encoder.model) == 0
+    assert all(layer._compiled_call_impl is None for layer in layers)
