@@ -8,8 +8,9 @@
 #      kernels' own run-to-run difference and rounding, against which the packed test's difference is read
 #                                                                                            limit NUMERICS_S=45
 #   4. the throughput rows of bench/train.py --gpu (ROWS: a list of its configurations, one per line; default
-#      all of them, in its order; QUICK=1: its --quick rows) with what is left of TOTAL_S=480 seconds as their
-#      budget: a row still running then is stopped and the rows after it are reported as not run.
+#      DEFAULT_ROWS below, before and after issues 25-26 first: a 7B row takes about 90 s, so 2-3 fit; QUICK=1:
+#      its --quick rows) with what is left of TOTAL_S=480 seconds as their budget: a row still running then is
+#      stopped and the rows after it are reported as not run.
 # Each part writes under OUT_DIR as it goes; OUT_DIR/summary.md gathers them at the end.
 #
 #   bash bench/gpu_train.sh [OUT_DIR]     # default bench/results/gpu_train
@@ -61,9 +62,17 @@ fi
 part "GradCache numerics" "$NUMERICS_S" "$PY" bench/grad_cache_numerics.py --out "$OUT_DIR/numerics" "${dry[@]}"
 
 # 4. Throughput rows, with what is left of the total.
+DEFAULT_ROWS="packed, ckpt, direct
+packed, varlen, ckpt auto, direct
+packed, varlen, GradCache
+packed, GradCache
+packed, varlen, ckpt auto, compile, direct
+packed, varlen, ckpt auto, Liger, direct"
 rows=()
-while IFS= read -r row; do [[ -n "$row" ]] && rows+=(--rows "$row"); done <<< "${ROWS:-}"
-[[ ${#rows[@]} == 0 && -n "${QUICK:-}" ]] && rows=(--quick)
+[[ -n "${QUICK:-}" ]] && rows=(--quick)
+if [[ ${#rows[@]} == 0 ]]; then
+  while IFS= read -r row; do [[ -n "$row" ]] && rows+=(--rows "$row"); done <<< "${ROWS:-$DEFAULT_ROWS}"
+fi
 left=$((TOTAL_S - (SECONDS - START) - 15))
 if ((left > 30)); then
   part "throughput rows" "$((left + 10))" "$PY" bench/train.py --gpu "${dry[@]}" "${rows[@]}" --budget "$left" \

@@ -64,3 +64,17 @@ def test_gpu_train_script_dry_run_stops_each_part_at_its_limit_and_still_reports
     assert "| padded, direct | 8 |" in bench and "--budget" in bench
     summary = (out / "summary.md").read_text()
     assert "| smoke run | 124 (time limit) |" in summary and "## Throughput" in summary
+
+
+def test_gpu_train_scripts_default_rows_are_bench_train_configurations(monkeypatch):
+    """The rows gpu_train.sh measures by default are names bench/train.py accepts (a wrong one stops that part)."""
+    import importlib.util
+    import re
+
+    script = (ROOT / "bench" / "gpu_train.sh").read_text()
+    rows = re.search(r'DEFAULT_ROWS="([^"]*)"', script).group(1).splitlines()
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "bench" / "train.py")
+    bench_train = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench_train)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench_train)
+    assert len(rows) >= 4 and set(rows) <= set(bench_train.GPU_CONFIGS), set(rows) - set(bench_train.GPU_CONFIGS)
