@@ -16,9 +16,8 @@ from diffusion_embedder.training.arguments import ConfigError
 from diffusion_embedder.training.supervised import prepare_encoder
 
 
-def test_use_liger_kernel_is_refused_where_liger_kernel_is_missing(tmp_path):
-    if transformers.utils.is_liger_kernel_available():
-        pytest.skip("liger-kernel is installed here: the refusal needs a machine without it")
+def test_use_liger_kernel_is_refused_where_liger_kernel_is_missing(tmp_path, monkeypatch):
+    monkeypatch.setattr(transformers.utils, "is_liger_kernel_available", lambda: False)  # missing on every machine
     with pytest.raises(ConfigError, match="use_liger_kernel: True needs the liger-kernel package") as err:
         make_config(tmp_path, use_liger_kernel=True)
     assert "pip install 'diffusion-embedder[liger]'" in str(err.value) and "--use_liger_kernel false" in str(err.value)
