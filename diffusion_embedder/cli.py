@@ -12,6 +12,7 @@ from diffusion_embedder.training.stages import STAGES
 COMMANDS = {stage.command: (stage.module, stage.help) for stage in STAGES.values()} | {
     "eval": ("diffusion_embedder.evaluation.run", "evaluate on FollowIR, LongEmbed, BRIGHT or local BEIR folders"),
     "encode": ("diffusion_embedder.evaluation.encode_corpus", "a corpus's embeddings to disk: sharded, resumable"),
+    "mine": ("diffusion_embedder.mining.cli", "hard negatives for (query, positive) pairs, mined with the encoder"),
     "report": ("diffusion_embedder.evaluation.report", "one results table (markdown, CSV) and bar charts"),
     "reasonaug": ("diffusion_embedder.reasonaug.cli", "build ReasonAug with an LLM, stage by stage, resumable"),
     "demo": ("diffusion_embedder.demo_launcher", "says how to run the demo (bidirectional vs causal) from a checkout"),

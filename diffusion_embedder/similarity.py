@@ -49,3 +49,30 @@ def check_similarity_fn_name(name: str) -> str:
     if name not in SIMILARITY_FUNCTIONS:
         raise ValueError(f"Unknown similarity_fn_name {name!r}; choose one of {', '.join(SIMILARITY_FUNCTIONS)}.")
     return name
+
+
+def pairwise_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (torch.nn.functional.normalize(a, dim=-1) * torch.nn.functional.normalize(b, dim=-1)).sum(-1)
+
+
+def pairwise_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a * b).sum(-1)
+
+
+def pairwise_euclidean(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return -(a - b).norm(dim=-1)
+
+
+def pairwise_manhattan(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return -(a - b).abs().sum(-1)
+
+
+#: The same functions on vectors paired one to one (sentence-transformers' ``similarity_pairwise``): tensors of
+#: shape (..., d) broadcast against each other give (...) scores, e.g. queries (B, 1, d) with their own
+#: candidates (B, K, d).
+SIMILARITY_PAIRWISE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cosine": pairwise_cosine,
+    "dot": pairwise_dot,
+    "euclidean": pairwise_euclidean,
+    "manhattan": pairwise_manhattan,
+}

@@ -39,7 +39,9 @@ from diffusion_embedder import __version__, distributed
 from diffusion_embedder.data.jsonl import Field, read_jsonl_rows
 from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
+    CorpusFieldOptions,
     ModelOptions,
+    ShardOptions,
     command_parser,
     encoder_overrides,
     option,
@@ -57,25 +59,21 @@ FORMAT = "diffusion_embedder.embeddings/1"
 #: manifest (paths, version, shard count) says where they came from.
 IDENTITY_KEYS = ("format", "model.weights_sha256", "settings", "torch_dtype", "embedding_dim", "corpus.fingerprint",
                  "corpus.num_rows", "chunks.chunk_size", "chunks.chunk_chars", "chunks.num_chunks")
+#: Starts the fingerprint of a store of queries, so it never equals a documents' store of the same texts.
+QUERIES_HEADER = b"queries: [id, instruction, text], encoded as training encodes them\n"
 
 
 @dataclass
-class _EncodeOptions(ModelOptions):
-    """Every ``encode`` option, once (the model's are ``ModelOptions``, shared with ``eval``)."""
+class _EncodeOptions(ShardOptions, CorpusFieldOptions, ModelOptions):
+    """Every ``encode`` option, once (the model's are ``ModelOptions``, shared with ``eval``; the corpus fields and
+    shares are shared with ``mine``)."""
 
     corpus: str | None = option(help="BEIR corpus.jsonl, or any JSONL (.gz too) with an id and a text field")
     task_name: str | None = option(help="an mteb task whose corpus to encode, instead of --corpus")
     split: str | None = option(help="the mteb task's split (default: its first evaluation split)")
     subset: str | None = option(help="the mteb task's subset (default: its first)")
     data_dir: str | None = option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
-    id_field: str = option("_id")
-    text_field: str = option("text")
-    title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
     output_dir: str | None = option(help="the embeddings folder (required)")
-    num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
-                                "each one's ranks share its part")
-    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)")
-    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead")
 
 
 #: The ``encode`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
@@ -84,19 +82,45 @@ EncodeArguments = with_encoder_settings(_EncodeOptions, "EncodeArguments", __nam
 
 @dataclass
 class Corpus:
-    """The documents to encode, in order, and what identifies them."""
+    """The texts to encode, in order, and what identifies them: a corpus's documents, or queries with their
+    instructions (``instructions``), which are encoded as training encodes an ``[instruction, text]`` pair: the
+    whole query kept up to ``max_length`` tokens, where documents are cut at ``doc_max_length`` as the evaluation
+    cuts them."""
 
     source: str
     ids: list[str]
     texts: list[str]
+    instructions: list[str] | None = None
 
     @property
     def fingerprint(self) -> str:
-        """SHA-256 of every (id, text) in order: what is encoded, however it was read."""
+        """SHA-256 of every (id, text) in order (with its instruction, for queries): what is encoded, however it
+        was read."""
         digest = hashlib.sha256()
-        for doc_id, text in zip(self.ids, self.texts, strict=True):
-            digest.update(json.dumps([doc_id, text], ensure_ascii=False).encode() + b"\n")
+        rows = zip(self.ids, self.texts, strict=True)
+        if self.instructions is not None:
+            digest.update(QUERIES_HEADER)
+            rows = zip(self.ids, self.instructions, self.texts, strict=True)
+        for row in rows:
+            digest.update(json.dumps(list(row), ensure_ascii=False).encode() + b"\n")
         return digest.hexdigest()
+
+    def inputs(self, start: int, end: int) -> list[list[str]]:
+        """``[instruction, text]`` of rows ``start .. end - 1`` (no instruction for documents)."""
+        instructions = self.instructions[start:end] if self.instructions is not None else [""] * (end - start)
+        return [[i, t] for i, t in zip(instructions, self.texts[start:end], strict=True)]
+
+    def chunks(self, chunk_size: int) -> list[tuple[int, int]]:
+        """The chunk plan: ``sharding.plan_chunks`` over the inputs' lengths (instructions count)."""
+        lengths = [len(t) for t in self.texts]
+        if self.instructions is not None:
+            lengths = [n + len(i) for n, i in zip(lengths, self.instructions, strict=True)]
+        return plan_chunks(lengths, chunk_size)
+
+    def encode_kwargs(self, encoder) -> dict:
+        """What ``Encoder.encode`` needs beyond the inputs: queries are cut at ``max_length`` only, as training's
+        ``Encoder.tokenize`` cuts them."""
+        return {} if self.instructions is None else {"doc_max_length": encoder.config.max_length}
 
 
 @dataclass
@@ -181,6 +205,17 @@ def identity(manifest: dict) -> str:
     return hashlib.sha256(json.dumps([flat.get(k) for k in IDENTITY_KEYS], sort_keys=True).encode()).hexdigest()
 
 
+def check_folder(folder: str, manifest: dict) -> None:
+    """Refuse ``folder`` when its manifest is another model's, settings' or corpus's; write nothing."""
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        return
+    differences = _differences(read_json_object(path, ValueError), json.loads(json.dumps(manifest)))
+    if differences:
+        raise ValueError(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
+                         f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+
+
 def claim_folder(folder: str, manifest: dict) -> None:
     """Write ``manifest.json`` (the first process to arrive does, atomically), or check the one there."""
     os.makedirs(folder, exist_ok=True)
@@ -192,11 +227,7 @@ def claim_folder(folder: str, manifest: dict) -> None:
         with contextlib.suppress(FileExistsError):  # another process made it first: compared below
             os.link(tmp, path)
         os.remove(tmp)
-    stored = read_json_object(path, ValueError)
-    differences = _differences(stored, json.loads(json.dumps(manifest)))
-    if differences:
-        raise ValueError(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
-                         f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+    check_folder(folder, manifest)
 
 
 def _check_chunk(
@@ -290,20 +321,56 @@ def _shard(args) -> tuple[int, int]:
     return args.shard_index * world + distributed.rank(), args.num_shards * world
 
 
-def _manifest(args, encoder, corpus: Corpus, chunks: list[tuple[int, int]], num_shards: int) -> dict:
+def store_manifest(encoder, corpus: Corpus, chunk_size: int, base_model_name_or_path: str | None,
+                   peft_model_name_or_path: str | None = None, num_shards: int = 1) -> dict:
+    """The manifest of ``corpus``'s embeddings by ``encoder`` in chunks of ``chunk_size``: the model (paths for
+    provenance, weights hash), its settings, dtype and dimension, the corpus and the chunk plan."""
     return {
         "format": FORMAT,
         "version": __version__,
-        "model": {"base_model_name_or_path": args.base_model_name_or_path,
-                  "peft_model_name_or_path": args.peft_model_name_or_path,
+        "model": {"base_model_name_or_path": base_model_name_or_path,
+                  "peft_model_name_or_path": peft_model_name_or_path,
                   "weights_sha256": weights_hash(encoder)},
         "settings": computed_settings(encoder.config.to_dict()),
         "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
         "embedding_dim": encoder.embedding_dim,
         "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
-        "chunks": {"chunk_size": args.chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(chunks)},
+        "chunks": {"chunk_size": chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(corpus.chunks(chunk_size))},
         "num_shards": num_shards,
     }
+
+
+def encode_chunks(encoder, corpus: Corpus, folder: str, manifest: dict, shard: int = 0, num_shards: int = 1,
+                  device: str | list[str] | None = None, batch_size: int = 32,
+                  max_tokens_per_batch: int | None = None, show_progress_bar: bool = False) -> EncodeStats:
+    """Encode chunks ``shard, shard + num_shards, ...`` of ``corpus`` into ``folder`` (claimed for ``manifest``
+    first), skipping those already complete and intact."""
+    claim_folder(folder, manifest)
+    made_by = identity(manifest)
+    chunks = corpus.chunks(manifest["chunks"]["chunk_size"])
+    stats = EncodeStats()
+    mine = range(shard, len(chunks), num_shards)
+    if show_progress_bar and distributed.is_main():
+        from tqdm.auto import tqdm
+
+        mine = tqdm(mine, desc=f"Encoding chunks of {folder} (shard {shard} of {num_shards})")
+    for index in mine:
+        start, end = chunks[index]
+        ids = corpus.ids[start:end]
+        try:
+            _check_chunk(folder, index, encoder.embedding_dim, made_by, ids)
+            stats.skipped_chunks += 1
+            continue
+        except ValueError as e:
+            if os.path.exists(os.path.join(folder, chunk_name(index) + ".json")):
+                logger.warning("Encoding chunk %d again: %s", index, e)
+        vectors = encode_chunk(encoder, corpus.inputs(start, end), device, batch_size=batch_size,
+                               show_progress_bar=False, max_tokens_per_batch=max_tokens_per_batch,
+                               **corpus.encode_kwargs(encoder))
+        _write_chunk(folder, index, ids, (start, end), vectors, made_by)
+        stats.encoded_texts += end - start
+        stats.chunks.append(index)
+    return stats
 
 
 def encode_corpus(args) -> EncodeStats:
@@ -315,35 +382,13 @@ def encode_corpus(args) -> EncodeStats:
     load_device, encode_device = distributed.placement(args.device)
     shard, num_shards = _shard(args)
     corpus = _read_corpus(args)
-    chunks = plan_chunks([len(t) for t in corpus.texts], args.chunk_size)
+    corpus.chunks(args.chunk_size)  # a bad chunk size before the model loads
     encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                               load_device, **encoder_overrides(args))
-    manifest = _manifest(args, encoder, corpus, chunks, num_shards)
-    claim_folder(args.output_dir, manifest)
-    made_by = identity(manifest)
-    stats = EncodeStats()
-    mine = range(shard, len(chunks), num_shards)
-    if args.show_progress_bar and distributed.is_main():
-        from tqdm.auto import tqdm
-
-        mine = tqdm(mine, desc=f"Encoding chunks (shard {shard} of {num_shards})")
-    for index in mine:
-        start, end = chunks[index]
-        ids = corpus.ids[start:end]
-        try:
-            _check_chunk(args.output_dir, index, encoder.embedding_dim, made_by, ids)
-            stats.skipped_chunks += 1
-            continue
-        except ValueError as e:
-            if os.path.exists(os.path.join(args.output_dir, chunk_name(index) + ".json")):
-                logger.warning("Encoding chunk %d again: %s", index, e)
-        vectors = encode_chunk(encoder, [["", t] for t in corpus.texts[start:end]], encode_device,
-                               batch_size=args.batch_size, show_progress_bar=False,
-                               max_tokens_per_batch=args.max_tokens_per_batch)
-        _write_chunk(args.output_dir, index, ids, (start, end), vectors, made_by)
-        stats.encoded_texts += end - start
-        stats.chunks.append(index)
-    return stats
+    manifest = store_manifest(encoder, corpus, args.chunk_size, args.base_model_name_or_path,
+                              args.peft_model_name_or_path, num_shards)
+    return encode_chunks(encoder, corpus, args.output_dir, manifest, shard, num_shards, encode_device,
+                         args.batch_size, args.max_tokens_per_batch, args.show_progress_bar)
 
 
 def main(argv: list[str] | None = None) -> int:

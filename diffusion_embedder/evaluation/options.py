@@ -1,8 +1,9 @@
-"""The command-line options of ``eval`` and ``encode``: each defined once, as a dataclass field; flags derived.
+"""The command-line options of ``eval``, ``encode`` and ``mine``: each defined once (a dataclass field), flags derived.
 
-``ModelOptions`` are what both commands load and encode with (checkpoint, dtype, device, batch and chunk
-sizes); each command adds its own fields, and ``with_encoder_settings`` adds one optional field per
-``EncoderConfig`` setting (None: the checkpoint's own), so the setting flags are the encoder's own list.
+``ModelOptions`` are what the commands load and encode with (checkpoint, dtype, device, batch and chunk
+sizes); ``CorpusFieldOptions`` and ``ShardOptions`` are what ``encode`` and ``mine`` share (a JSONL corpus's
+fields, job-array shares); each command adds its own fields, and ``with_encoder_settings`` adds one optional field
+per ``EncoderConfig`` setting (None: the checkpoint's own), so the setting flags are the encoder's own list.
 """
 
 from __future__ import annotations
@@ -44,6 +45,35 @@ class ModelOptions:
     show_progress_bar: bool = option(True, "hide the progress bar", flag="no_progress_bar")
 
 
+@dataclass
+class CorpusFieldOptions:
+    """The fields of a JSONL corpus: ``encode``'s and ``mine``'s."""
+
+    id_field: str = option("_id")
+    text_field: str = option("text")
+    title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
+
+
+@dataclass
+class ShardOptions:
+    """How the chunk store's work is shared out and batched: ``encode``'s and ``mine``'s."""
+
+    num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
+                                "each one's ranks share its part")
+    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)")
+    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead")
+
+
+def optional_float(raw: str) -> float | None:
+    """argparse type of a ``float | None`` option: a number, or ``none`` for None (the setting off)."""
+    if raw.strip().lower() == "none":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {raw!r}") from None
+
+
 def _str2bool(value: str) -> bool:
     if value.lower() in ("1", "true", "yes", "y"):
         return True
@@ -63,6 +93,8 @@ def add_options(parser: argparse.ArgumentParser, options: type) -> None:
             spec["action"] = "store_false" if default else "store_true"
         elif typing.get_origin(tp) is list:
             spec |= {"nargs": "+", "type": typing.get_args(tp)[0]}
+        elif float in (tp, *typing.get_args(tp)):
+            spec["type"] = optional_float if type(None) in typing.get_args(tp) else float
         else:
             spec["type"] = int if int in (tp, *typing.get_args(tp)) else str
         parser.add_argument(f"--{f.metadata.get('flag', f.name)}", dest=f.name, default=default, **spec)

@@ -1,0 +1,70 @@
+"""``diffusion-embedder mine``: its command line and exit statuses (the work is ``mine.py``'s).
+
+Every process (each torchrun rank, each job of an array) checks the inputs, loads the model and encodes its share
+of both stores; then one (rank 0) searches, filters and writes, once both stores are complete. Bad input stops
+the run before the model loads, with exit status 2 and the message alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from diffusion_embedder import clihelp, distributed
+from diffusion_embedder.backbones import BackboneConfigError
+from diffusion_embedder.data.jsonl import DataFormatError
+from diffusion_embedder.evaluation.options import command_parser
+from diffusion_embedder.mining.mine import finish, prepare
+from diffusion_embedder.mining.options import MineArguments, MiningError, _MineOptions
+
+#: Errors in our own words (bad options, inputs, files, a folder made by another model), each naming what to fix:
+#: exit status 2 and the message alone. Anything else is a bug and keeps its traceback.
+EXIT_STATUS: dict[type[Exception], int] = {
+    MiningError: 2,
+    DataFormatError: 2,
+    FileNotFoundError: 2,
+    BackboneConfigError: 2,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mine`` command line: one flag per ``_MineOptions`` field, then one per encoder setting."""
+    return command_parser(
+        "mine", "Mine hard negatives for (query, positive) pairs with the encoder: OUTPUT_DIR/negatives.jsonl in the "
+                "custom training format. Documents and queries go through encode's resumable chunk store; "
+                "--num_shards/--shard_index and torchrun's ranks share the encoding.", _MineOptions)
+
+
+def parse_args(argv: list[str] | None = None) -> MineArguments:
+    """``MineArguments`` from the command line (``argv``, else ``sys.argv``)."""
+    return MineArguments(**vars(build_parser().parse_args(argv)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: every process encodes its share; rank 0 mines and prints the summary."""
+    logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        distributed.placement(args.device)  # a device pool under torchrun is refused before any rank waits
+        distributed.init()
+        try:
+            prepared = prepare(args)
+            distributed.barrier()  # every rank's chunks are written before rank 0 reads them
+        finally:
+            distributed.shutdown()
+        if not distributed.is_main():
+            return 0
+        summary = finish(prepared)
+    except tuple(EXIT_STATUS) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return clihelp.exit_status(e, EXIT_STATUS)
+    if summary.status == "incomplete":
+        print(f"Encoded this process's share into {args.output_dir}; other shards still to run (or rerun with "
+              "--num_shards 1 to finish), then the negatives are mined.")
+        return 0
+    print(f"{summary.path}: {summary.records_written} records {summary.status} ({summary.records_dropped} dropped "
+          f"with fewer than {args.num_negatives} negatives); candidates dropped: "
+          + ", ".join(f"{k} {v}" for k, v in summary.candidates_dropped.items()))
+    return 0

@@ -1,0 +1,122 @@
+"""``mine``'s options, each defined once (a dataclass field, its flag derived), and their checks.
+
+Every check here runs before the model loads or any file is written: a bad value stops the run naming the flag
+and the value. The filters have sentence-transformers' names and meanings (``util.mine_hard_negatives``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from diffusion_embedder.evaluation.options import (
+    CorpusFieldOptions,
+    ModelOptions,
+    ShardOptions,
+    option,
+    with_encoder_settings,
+)
+
+#: ``--sampling``: the first ``num_negatives`` of the window, or ``num_negatives`` of it drawn with ``--seed``.
+SAMPLINGS = ("top", "random")
+#: ``--search``: exact blocked top-k (torch, on the encoding device), or a FAISS index (the ``[faiss]`` extra).
+SEARCHES = ("exact", "faiss")
+
+
+class MiningError(ValueError):
+    """Mining cannot run as asked: the message names the flag, file or line, and the value."""
+
+
+@dataclass
+class MiningOptions:
+    """What is mined and how: inputs, filters, output, search (the model's options are ``ModelOptions``)."""
+
+    pairs: str | None = option(help="training JSONL of (query, positive) pairs (.gz too): our custom format, or any "
+                                    "JSONL with the fields named below (required)")
+    corpus: str | None = option(help="candidate documents: a BEIR corpus.jsonl or any JSONL with an id and a text "
+                                     "field (default: the pairs' own positives); positives it lacks are added")
+    output_dir: str | None = option(help="OUTPUT_DIR/negatives.jsonl, its manifest.json and the two embedding "
+                                         "stores (documents/, queries/) (required)")
+    query_field: str = option("query")
+    positive_field: str = option("positive")
+    instruction_field: str = option("instruction", "the query's instruction, encoded with it as training encodes "
+                                                   "it; '' for none")
+    positive_id_field: str | None = option(help="the positive's --corpus id, excluded from its query's negatives "
+                                                "like its text (default: positives matched by text only)")
+    num_negatives: int = option(3, "negatives per record")
+    range_min: int = option(0, "skip the first range_min candidates left after the filters")
+    range_max: int = option(50, "consider only the first range_max candidates left after the filters")
+    relative_margin: float | None = option(0.05, "drop a candidate scoring above positive - |positive| * margin "
+                                                 "(NV-Retriever's rule: 0.05 keeps 95 percent); 'none': off")
+    absolute_margin: float | None = option(help="drop a candidate scoring above positive - margin; 'none': off")
+    max_score: float | None = option(help="drop a candidate scoring above this; 'none': off")
+    min_score: float | None = option(help="drop a candidate scoring below this; 'none': off")
+    sampling: str = option("top", "top: the best num_negatives of the window; random: drawn from it with --seed",
+                           choices=SAMPLINGS)
+    seed: int = option(42, "seed of --sampling random (each query draws from its own stream)")
+    keep_fewer: bool = option(False, "keep a record with fewer than num_negatives negatives (default: dropped)")
+    output_scores: bool = option(False, "also write each record's positive_score, negative_scores and "
+                                        "negative_ranks")
+    search: str = option("exact", choices=SEARCHES)
+    faiss_index: str = option("Flat", "FAISS index factory string for --search faiss (Flat: exact)")
+    query_block_size: int = option(1024, "queries scored at once: with document_block_size, bounds the search's "
+                                         "memory")
+    document_block_size: int = option(16384, "documents scored at once")
+
+
+@dataclass
+class _MineOptions(MiningOptions, ShardOptions, CorpusFieldOptions, ModelOptions):
+    """Every ``mine`` option: the model's (as ``encode`` and ``eval``), the corpus fields and shares (as
+    ``encode``), then mining's own."""
+
+
+#: The ``mine`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
+MineArguments = with_encoder_settings(_MineOptions, "MineArguments", __name__)
+
+
+def _number(name: str, value, low: float | None = None, high: float | None = None, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
+        raise MiningError(f"--{name}: expected {'an integer' if integer else 'a finite number'}, got {value!r}.")
+    if (low is not None and value < low) or (high is not None and value >= high):
+        where = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise MiningError(f"--{name} {value!r}: must be {where}.")
+
+
+def check_options(args) -> None:
+    """Every mining option in range and consistent with the others; ``MiningError`` names the flag and value."""
+    for name in ("pairs", "output_dir", "base_model_name_or_path"):
+        if not getattr(args, name):
+            raise MiningError(f"--{name} is required.")
+    for name in ("num_negatives", "range_max", "query_block_size", "document_block_size", "num_shards",
+                 "chunk_size", "batch_size"):
+        _number(name, getattr(args, name), 1, integer=True)
+    _number("range_min", args.range_min, 0, integer=True)
+    _number("seed", args.seed, integer=True)
+    if args.range_min >= args.range_max:
+        raise MiningError(f"--range_min {args.range_min} must be below --range_max {args.range_max}.")
+    if args.num_negatives > args.range_max - args.range_min:
+        raise MiningError(f"--num_negatives {args.num_negatives} is more than the window holds: --range_max "
+                          f"{args.range_max} - --range_min {args.range_min} = {args.range_max - args.range_min}.")
+    if not 0 <= args.shard_index < args.num_shards:
+        raise MiningError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+    if args.relative_margin is not None:
+        _number("relative_margin", args.relative_margin, 0, 1)
+    if args.absolute_margin is not None:
+        _number("absolute_margin", args.absolute_margin, 0)
+    for name in ("max_score", "min_score"):
+        if getattr(args, name) is not None:
+            _number(name, getattr(args, name))
+    if args.max_score is not None and args.min_score is not None and args.min_score > args.max_score:
+        raise MiningError(f"--min_score {args.min_score} is above --max_score {args.max_score}: nothing could pass.")
+    for name, value, allowed in (("sampling", args.sampling, SAMPLINGS), ("search", args.search, SEARCHES)):
+        if value not in allowed:
+            raise MiningError(f"--{name} {value!r}: choose one of {', '.join(allowed)}.")
+    if not args.query_field or not args.positive_field:
+        raise MiningError("--query_field and --positive_field must name fields of --pairs.")
+    if args.search == "faiss":
+        try:
+            import faiss  # noqa: F401
+        except ImportError:
+            raise MiningError("--search faiss needs FAISS: pip install 'diffusion_embedder[faiss]' (faiss-cpu), or "
+                              "the GPU build; --search exact needs nothing more.") from None
