@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     try:
-        distributed.placement(args.device)  # a device pool under torchrun is refused before any rank waits
+        try:
+            distributed.placement(args.device)  # a device pool under torchrun is refused before any rank waits
+        except ValueError as e:
+            raise MiningError(str(e)) from None
         distributed.init()
         try:
             prepared = prepare(args)

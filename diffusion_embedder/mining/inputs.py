@@ -26,6 +26,7 @@ import numpy as np
 from diffusion_embedder.data.custom import custom_instruction
 from diffusion_embedder.data.jsonl import DataFormatError, Field, RecordError, read_jsonl
 from diffusion_embedder.evaluation.encode_corpus import Corpus, read_corpus_file
+from diffusion_embedder.files import check_file
 from diffusion_embedder.mining.options import MiningError
 
 #: Ids of positives added to the documents: this prefix and the line of the first record holding the text.
@@ -79,13 +80,14 @@ def read_pairs(path: str, query_field: str, positive_field: str, instruction_fie
     if instruction_field:
         fields.append(Field(instruction_field, required=False, nullable=True))
     if positive_id_field:
-        fields.append(Field(positive_id_field, "int|str"))
+        fields.append(Field(positive_id_field, "int|str", required=False, nullable=True))
 
     def convert(record: dict, index: int) -> PairRecord:
         for name in (query_field, positive_field):
             if not record[name].strip():
                 raise RecordError(f"field {name!r} is empty: a pair needs a query and a positive")
-        positive_id = str(record[positive_id_field]) if positive_id_field else None
+        positive_id = record.get(positive_id_field) if positive_id_field else None
+        positive_id = None if positive_id is None else str(positive_id)
         if positive_id is not None and positive_id not in corpus_ids:
             raise RecordError(f"field {positive_id_field!r}: {positive_id!r} is not an id of --corpus")
         instruction = record.get(instruction_field) if instruction_field else None
@@ -170,6 +172,7 @@ def read_inputs(args) -> MiningInputs:
         raise MiningError("--positive_id_field names the positive's --corpus id: give --corpus too.")
     corpus = None
     if args.corpus:
+        check_file(args.corpus, "--corpus")
         corpus = read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
     records = read_pairs(args.pairs, args.query_field, args.positive_field, args.instruction_field,
                          args.positive_id_field, set(corpus.ids) if corpus else None)

@@ -43,7 +43,7 @@ STORES = ("documents", "queries")
 @dataclass
 class Prepared:
     """What ``prepare`` leaves for ``finish``: the inputs, the stores' manifests, the mining manifest, the
-    encoder's similarity and search device, and whether the negatives on disk are reused."""
+    encoder's similarity and device (where the search runs), and whether the negatives on disk are reused."""
 
     args: object
     inputs: MiningInputs
@@ -76,10 +76,15 @@ def prepare(args, encoder=None) -> Prepared:
     stores are this model's, settings' and inputs', then encode this process's share of both."""
     check_options(args)
     inputs = read_inputs(args)
-    load_device, encode_device = distributed.placement(args.device)
+    try:
+        load_device, encode_device = distributed.placement(args.device)
+    except ValueError as e:
+        raise MiningError(str(e)) from None
     world = distributed.world_size()
     shard, num_shards = args.shard_index * world + distributed.rank(), args.num_shards * world
     if encoder is None:
+        if not args.base_model_name_or_path:
+            raise MiningError("--base_model_name_or_path is required.")
         encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                   load_device, **encoder_overrides(args))
     folders = {name: os.path.join(args.output_dir, name) for name in STORES}
@@ -91,8 +96,7 @@ def prepare(args, encoder=None) -> Prepared:
         except ValueError as e:
             raise MiningError(str(e)) from None
     made = output.manifest(args, manifests, inputs.pairs_fingerprint, len(inputs.records))
-    device = encode_device[0] if isinstance(encode_device, list) else encode_device
-    prepared = Prepared(args, inputs, manifests, made, encoder.config.similarity_fn_name, device)
+    prepared = Prepared(args, inputs, manifests, made, encoder.config.similarity_fn_name, str(encoder.device))
     prepared.reused = output.reusable(args.output_dir, made)
     if prepared.reused is None:
         for name in STORES:

@@ -16,6 +16,7 @@ from diffusion_embedder.evaluation.options import (
     option,
     with_encoder_settings,
 )
+from diffusion_embedder.files import folder_problem
 
 #: ``--sampling``: the first ``num_negatives`` of the window, or ``num_negatives`` of it drawn with ``--seed``.
 SAMPLINGS = ("top", "random")
@@ -41,8 +42,8 @@ class MiningOptions:
     positive_field: str = option("positive")
     instruction_field: str = option("instruction", "the query's instruction, encoded with it as training encodes "
                                                    "it; '' for none")
-    positive_id_field: str | None = option(help="the positive's --corpus id, excluded from its query's negatives "
-                                                "like its text (default: positives matched by text only)")
+    positive_id_field: str | None = option(help="the positive's --corpus id (where a record has it), excluded from "
+                                                "its query's negatives like its text (default: by text only)")
     num_negatives: int = option(3, "negatives per record")
     range_min: int = option(0, "skip the first range_min candidates left after the filters")
     range_max: int = option(50, "consider only the first range_max candidates left after the filters")
@@ -85,7 +86,7 @@ def _number(name: str, value, low: float | None = None, high: float | None = Non
 
 def check_options(args) -> None:
     """Every mining option in range and consistent with the others; ``MiningError`` names the flag and value."""
-    for name in ("pairs", "output_dir", "base_model_name_or_path"):
+    for name in ("pairs", "output_dir"):
         if not getattr(args, name):
             raise MiningError(f"--{name} is required.")
     for name in ("num_negatives", "range_max", "query_block_size", "document_block_size", "num_shards",
@@ -114,6 +115,9 @@ def check_options(args) -> None:
             raise MiningError(f"--{name} {value!r}: choose one of {', '.join(allowed)}.")
     if not args.query_field or not args.positive_field:
         raise MiningError("--query_field and --positive_field must name fields of --pairs.")
+    problem = folder_problem(args.output_dir, "--output_dir")
+    if problem:
+        raise MiningError(problem)
     if args.search == "faiss":
         try:
             import faiss  # noqa: F401

@@ -1,0 +1,316 @@
+"""``diffusion-embedder mine``: the negatives equal a float64 brute-force reference written here from the documented
+rules, for every filter; positives (by id and by normalized text, also repeated in the corpus) and the query's own
+text are never negatives; queries are encoded as training encodes them; FAISS and any block size give the exact
+search's negatives; bad input is refused before the model loads; every flag reaches the code it controls; a rerun
+reuses only what was made with the same model, settings and inputs.
+
+The data: the ReasonAug BEIR fixture's 100 documents plus three copies (a positive's text in other case and
+spacing, a non-positive's, a query's), and 24 pairs whose queries are the first words of their positive, so the
+positives rank high and every filter has something to keep and something to drop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import LLAMA_FIXTURE, ROOT
+from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
+
+from diffusion_embedder.evaluation.encode_corpus import load_embeddings
+from diffusion_embedder.mining import mine_hard_negatives
+
+BEIR = ROOT / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
+INSTRUCTION = "Given the start of a problem, retrieve the whole problem"
+
+
+def build_inputs(folder: Path) -> tuple[Path, Path]:
+    """corpus.jsonl (103 documents) and pairs.jsonl (24 records, 20 queries) in ``folder``."""
+    docs = [json.loads(line) for line in BEIR.read_text().splitlines()]
+    docs.append({"_id": "copy-of-positive", "title": "", "text": "  " + docs[0]["text"].upper().replace(" ", "   ")})
+    docs.append({"_id": "copy-of-other", "title": "", "text": docs[50]["text"].replace(" ", "\t", 3)})
+    pairs = []
+    for i in range(0, 60, 3):  # 20 queries, each the first words of its positive
+        words = docs[i]["text"].split()
+        pairs.append({"query": " ".join(words[:14]), "positive": docs[i]["text"],
+                      **({"instruction": INSTRUCTION} if i % 2 else {})})
+    for i, j in ((0, 1), (3, 4), (6, 70)):  # three queries with a second positive
+        pairs.append({**pairs[i // 3], "positive": docs[j]["text"]})
+    docs.append({"_id": "copy-of-query", "title": "", "text": pairs[4]["query"].lower()})
+    # a positive the corpus lacks (added to the documents), whose id names the corpus's own version of it
+    pairs.append({"query": "Which problem is about a library's book recommendations?",
+                  "positive": docs[90]["text"] + " (edited)", "positive_id": docs[90]["_id"]})
+    corpus, pair_file = folder / "corpus.jsonl", folder / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    pair_file.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return corpus, pair_file
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    from diffusion_embedder.evaluation.sharding import load_checkpoint
+
+    return load_checkpoint(str(LLAMA_FIXTURE), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, encoder) -> Path:
+    """Inputs and both embedding stores, encoded once (a first mining run); tests copy the folder."""
+    folder = tmp_path_factory.mktemp("mining")
+    corpus, pairs = build_inputs(folder)
+    mine_hard_negatives(str(pairs), str(folder / "out"), str(corpus), encoder=encoder,
+                        positive_id_field="positive_id", chunk_size=32, batch_size=16)
+    return folder
+
+
+def copy_of(stores: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    shutil.copytree(stores, tmp_path / "in")
+    return tmp_path / "in" / "corpus.jsonl", tmp_path / "in" / "pairs.jsonl", tmp_path / "in" / "out"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- the reference, from the documented rules
+
+
+def normalized(text: str) -> str:
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def trained_instruction(instruction: str | None) -> str:
+    text = (instruction or "").strip()
+    return text if not text or text.endswith((";", ":")) else text + ";"
+
+
+def reference(folder: Path, options: dict, similarity: str = "cosine") -> list[list[str]]:
+    """Each record's negative ids, brute force in float64 over the stored vectors (cosine, the fixture's, or
+    negative euclidean distance)."""
+    corpus = read_jsonl(folder / "corpus.jsonl")
+    pairs = read_jsonl(folder / "pairs.jsonl")
+    text_of = {d["_id"]: d["text"].strip() for d in corpus}
+    text_of |= {f"pairs:{n}": p["positive"] for n, p in enumerate(pairs, 1) if p["positive"] not in
+                {d["text"].strip() for d in corpus}}
+    doc_ids, doc_vectors = load_embeddings(str(folder / "out" / "documents"))
+    query_ids, query_vectors = load_embeddings(str(folder / "out" / "queries"))
+    unit = lambda m: m.astype(np.float64) / np.linalg.norm(m.astype(np.float64), axis=1, keepdims=True)  # noqa: E731
+    if similarity == "cosine":
+        scores = unit(query_vectors) @ unit(doc_vectors).T
+    else:
+        q, d = query_vectors.astype(np.float64), doc_vectors.astype(np.float64)
+        scores = -np.linalg.norm(q[:, None, :] - d[None, :, :], axis=-1)
+    texts = [text_of[i] for i in doc_ids]
+    first_doc = {}
+    for j, t in enumerate(texts):
+        first_doc.setdefault(t, j)
+    queries: dict[tuple[str, str], dict] = {}
+    for n, p in enumerate(pairs, 1):
+        key = (trained_instruction(p.get("instruction")), p["query"])
+        if key not in queries:
+            queries[key] = {"row": query_ids.index(f"q:{n}"), "positives": [], "banned": {normalized(p["query"])}}
+        q = queries[key]
+        q["positives"].append(first_doc[p["positive"]])
+        q["banned"] |= {normalized(p["positive"])} | ({normalized(text_of[p["positive_id"]])}
+                                                       if "positive_id" in p else set())
+    room = max(sum(normalized(t) in q["banned"] for t in texts) for q in queries.values())
+    o = {"range_min": 0, "range_max": 50, "relative_margin": 0.05, "absolute_margin": None, "max_score": None,
+         "min_score": None, "sampling": "top", "seed": 42, "num_negatives": 3} | options
+    negatives = {}
+    for (instruction, text), q in queries.items():
+        s = scores[q["row"]]
+        positive = min(s[j] for j in q["positives"])
+        pool = sorted(range(len(texts)), key=lambda j: (-s[j], j))[:o["range_max"] + room]
+        seen, kept = set(), []
+        for j in pool:
+            t = normalized(texts[j])
+            if t in q["banned"] or t in seen:
+                seen.add(t)
+                continue
+            seen.add(t)
+            if o["absolute_margin"] is not None and s[j] + o["absolute_margin"] > positive:
+                continue
+            if o["relative_margin"] is not None and s[j] > positive - abs(positive) * o["relative_margin"]:
+                continue
+            if (o["max_score"] is not None and s[j] > o["max_score"]) or (
+                    o["min_score"] is not None and s[j] < o["min_score"]):
+                continue
+            kept.append(j)
+        window = kept[o["range_min"]:o["range_max"]]
+        if o["sampling"] == "random":
+            seed = json.dumps([o["seed"], instruction, text], ensure_ascii=False).encode()
+            draw = random.Random(int.from_bytes(hashlib.sha256(seed).digest()[:8], "big"))
+            window = [window[i] for i in sorted(draw.sample(range(len(window)), min(o["num_negatives"],
+                                                                                    len(window))))]
+        negatives[(instruction, text)] = [doc_ids[j] for j in window[:o["num_negatives"]]]
+        # no near-tie can make float rounding choose: neighbours in the pool differ by far more than rounding
+        ordered = np.sort(s[pool])
+        assert np.diff(ordered).min() > 1e-9
+    return [negatives[(trained_instruction(p.get("instruction")), p["query"])] for p in pairs]
+
+
+FILTERS = {
+    "no filter": {"relative_margin": None, "range_max": 10},
+    "relative_margin": {"relative_margin": 0.05, "range_max": 10},
+    "absolute_margin": {"relative_margin": None, "absolute_margin": 0.01, "range_max": 10},
+    "max_score": {"relative_margin": None, "max_score": 0.7, "range_max": 10},
+    "min_score": {"relative_margin": None, "min_score": 0.6, "range_max": 10},
+    "relative_margin on negative scores": {"relative_margin": 0.05, "range_max": 10, "similarity": "euclidean"},
+    "range_min and range_max": {"relative_margin": None, "range_min": 2, "range_max": 6},
+    "random sampling": {"relative_margin": None, "range_max": 12, "sampling": "random", "seed": 7},
+    "all at once": {"relative_margin": 0.01, "absolute_margin": 0.005, "max_score": 0.75, "min_score": 0.5,
+                    "range_min": 1, "range_max": 9, "sampling": "random", "seed": 3},
+}
+
+
+@pytest.mark.parametrize("name", FILTERS)
+def test_every_filter_gives_the_float64_reference_s_negatives(stores, tmp_path, encoder, name):
+    """With euclidean similarity (negative scores) the relative margin is |positive| * margin below the positive,
+    as sentence-transformers defines it (not (1 - margin) times the positive)."""
+    corpus, pairs, out = copy_of(stores, tmp_path)
+    options = dict(FILTERS[name])
+    similarity = options.pop("similarity", "cosine")
+    if similarity != "cosine":
+        shutil.rmtree(out)  # the stores of another encoder setting are refused: encode again
+        encoder = encoder.__class__.from_pretrained(str(LLAMA_FIXTURE), device="cpu", similarity_fn_name=similarity)
+    summary = mine_hard_negatives(str(pairs), str(out), str(corpus), encoder=encoder, positive_id_field="positive_id",
+                                  chunk_size=32, keep_fewer=True, **options)
+    got = [r["negative_ids"] for r in read_jsonl(out / "negatives.jsonl")]
+    assert got == reference(tmp_path / "in", options, similarity)
+    # the filter did something: it dropped candidates, and records still got negatives
+    for reason in ("relative_margin", "absolute_margin", "max_score", "min_score", "range_min"):
+        if options.get(reason):
+            assert summary.candidates_dropped[reason] > 0, (reason, summary.candidates_dropped)
+    assert sum(map(len, got)) > len(got) and summary.candidates_dropped["excluded"] > 0
+    assert summary.candidates_dropped["duplicate"] > 0  # the copy of another document
+
+
+def test_positives_by_id_and_by_text_and_the_query_s_own_text_are_never_negatives(stores, tmp_path, encoder):
+    corpus, pairs, out = copy_of(stores, tmp_path)
+    mine_hard_negatives(str(pairs), str(out), str(corpus), encoder=encoder, positive_id_field="positive_id",
+                        chunk_size=32, keep_fewer=True, relative_margin=None, range_max=30, num_negatives=30)
+    docs = {d["_id"]: d["text"] for d in read_jsonl(corpus)}
+    records = read_jsonl(out / "negatives.jsonl")
+    positives: dict[str, set[str]] = {}
+    for r in read_jsonl(pairs):
+        positives.setdefault(r["query"], set()).add(normalized(r["positive"]))
+        if "positive_id" in r:
+            positives[r["query"]].add(normalized(docs[r["positive_id"]]))
+    for r in records:
+        banned = positives[r["query"]] | {normalized(r["query"])}
+        assert not banned & {normalized(n) for n in r["negatives"]}, r["query"]
+        assert len({normalized(n) for n in r["negatives"]}) == len(r["negatives"])  # no text twice
+    by_query = {r["query"]: r["negative_ids"] for r in records}
+    # the situations the data sets up are there: without the exclusions these documents would be negatives
+    first = read_jsonl(pairs)[0]["query"]
+    assert "copy-of-positive" not in by_query[first] and "c1r2" not in by_query[first]
+    assert "copy-of-query" not in by_query[read_jsonl(pairs)[4]["query"]]
+    assert docs_id_90(corpus) not in by_query["Which problem is about a library's book recommendations?"]
+
+
+def docs_id_90(corpus: Path) -> str:
+    return read_jsonl(corpus)[90]["_id"]
+
+
+def test_queries_are_encoded_as_training_encodes_them_and_documents_as_the_evaluation_does(stores, encoder):
+    """The query store's vectors are ``Encoder.forward`` of ``Encoder.tokenize`` of [instruction;, query] (the
+    collator's path), a long query whole up to max_length; documents are ``encode`` of ["", text]."""
+    import torch
+
+    from diffusion_embedder.evaluation.encode_corpus import Corpus, encode_chunks, store_manifest
+
+    pairs = read_jsonl(stores / "pairs.jsonl")
+    ids, vectors = load_embeddings(str(stores / "out" / "queries"))
+    by_line = {f"q:{n}": p for n, p in enumerate(pairs, 1)}
+    inputs = [[trained_instruction(by_line[i].get("instruction")), by_line[i]["query"]] for i in ids]
+    with torch.no_grad():
+        trained = encoder(encoder.tokenize(inputs))
+    assert_close_normwise(vectors, trained, eps_multiple=ORDER_EPS, rows=True, msg="queries")
+    doc_ids, doc_vectors = load_embeddings(str(stores / "out" / "documents"))
+    texts = {d["_id"]: d["text"].strip() for d in read_jsonl(stores / "corpus.jsonl")}
+    evaluated = encoder.encode([["", texts[i]] for i in doc_ids[:100]], batch_size=16, show_progress_bar=False)
+    assert_close_normwise(doc_vectors[:100], evaluated, eps_multiple=ORDER_EPS, rows=True, msg="documents")
+    # a query longer than doc_max_length is kept whole (up to max_length), as training keeps it
+    long = Corpus("long", ["q"], ["word " * 600], [trained_instruction(INSTRUCTION)])
+    folder = stores.parent / "long_query"
+    encoder_short = encoder.__class__.from_pretrained(str(LLAMA_FIXTURE), device="cpu", doc_max_length=32)
+    encode_chunks(encoder_short, long, str(folder), store_manifest(encoder_short, long, 8, "fixture"))
+    with torch.no_grad():
+        whole = encoder_short(encoder_short.tokenize([[long.instructions[0], long.texts[0]]]))
+    assert_close_normwise(load_embeddings(str(folder))[1], whole, eps_multiple=ORDER_EPS, msg="long query")
+
+
+def test_faiss_and_any_block_size_give_the_exact_search_s_negatives(stores, tmp_path, encoder, monkeypatch):
+    pytest.importorskip("faiss")  # the exact path is the reference test's, always run
+    import faiss
+
+    corpus, pairs, out = copy_of(stores, tmp_path)
+    common = {"encoder": encoder, "positive_id_field": "positive_id", "chunk_size": 32, "keep_fewer": True,
+              "relative_margin": None, "range_max": 20, "output_scores": True}
+    mine_hard_negatives(str(pairs), str(out), str(corpus), **common)
+    exact = (out / "negatives.jsonl").read_bytes()
+    mine_hard_negatives(str(pairs), str(out), str(corpus), query_block_size=3, document_block_size=7, **common)
+    assert (out / "negatives.jsonl").read_bytes() == exact
+    factories = []
+    real = faiss.index_factory
+    monkeypatch.setattr(faiss, "index_factory", lambda d, spec, metric: factories.append(spec) or real(d, spec, metric))
+    mine_hard_negatives(str(pairs), str(out), str(corpus), search="faiss", **common)
+    assert (out / "negatives.jsonl").read_bytes() == exact and factories == ["Flat"]
+    # an index that needs training (trained on the corpus): all of its lists probed, it is exhaustive, so exact too
+    mine_hard_negatives(str(pairs), str(out), str(corpus), search="faiss", faiss_index="IVF2,Flat", **common)
+    assert factories == ["Flat", "IVF2,Flat"]
+
+
+def write_store(folder: Path, rows: np.ndarray, chunk: int) -> None:
+    """An embedding store of ``rows`` in chunks of ``chunk``, as ``encode`` writes one."""
+    from diffusion_embedder.evaluation.encode_corpus import FORMAT, _write_chunk, identity
+
+    ids = [f"{folder.name}{i}" for i in range(len(rows))]
+    spans = [(lo, min(lo + chunk, len(rows))) for lo in range(0, len(rows), chunk)]
+    manifest = {"format": FORMAT, "embedding_dim": rows.shape[1], "corpus": {"num_rows": len(rows)},
+                "chunks": {"num_chunks": len(spans), "chunk_size": chunk}}
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    for index, (lo, hi) in enumerate(spans):
+        _write_chunk(str(folder), index, ids[lo:hi], (lo, hi), rows[lo:hi], identity(manifest))
+
+
+def test_search_ranks_ties_by_corpus_order_and_holds_one_block_of_scores_at_a_time(tmp_path, monkeypatch):
+    """Candidates and their float64 scores equal a brute force over the stores; equal scores rank by corpus position,
+    whatever the block sizes; no similarity call sees more than query_block x document_block pairs."""
+    import torch
+
+    from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+    from diffusion_embedder.mining import search as search_mod
+
+    rng = np.random.default_rng(0)
+    docs = rng.normal(size=(40, 8)).astype(np.float32)
+    docs[[5, 17, 33]] = docs[9]  # four equal documents
+    queries = np.concatenate([docs[9:10] * 2, rng.normal(size=(4, 8)).astype(np.float32)])
+    write_store(tmp_path / "docs", docs, 16)
+    write_store(tmp_path / "queries", queries, 3)
+    documents, asked = EmbeddingStore(str(tmp_path / "docs")), EmbeddingStore(str(tmp_path / "queries"))
+    shapes = []
+    real = search_mod.SIMILARITY_FUNCTIONS["cosine"]
+    monkeypatch.setattr(search_mod, "SIMILARITY_FUNCTIONS",
+                        {"cosine": lambda a, b: shapes.append((a.shape[0], b.shape[0])) or real(a, b)})
+    unit = lambda m: m.astype(np.float64) / np.linalg.norm(m.astype(np.float64), axis=1, keepdims=True)  # noqa: E731
+    brute = unit(queries) @ unit(docs).T
+    expected = np.stack([sorted(range(40), key=lambda j, row=row: (-row[j], j))[:6] for row in brute])
+    assert list(expected[0, :4]) == [5, 9, 17, 33]  # the tie: equal float64 scores, corpus order
+    for query_block, document_block in ((5, 40), (2, 7), (1, 3)):
+        shapes.clear()
+        blocks = list(search_mod.search(asked, documents, 6, "cosine", query_block=query_block,
+                                        document_block=document_block))
+        assert max(a for a, _ in shapes) <= query_block and max(b for _, b in shapes) <= document_block
+        indices = np.concatenate([b.indices for _, b in blocks])
+        assert np.array_equal(indices, expected), (query_block, document_block)
+        scores = np.concatenate([b.scores for _, b in blocks])
+        assert_close_normwise(scores, np.take_along_axis(brute, expected, 1), eps_multiple=HAND_EPS,
+                              dtype=torch.float64, msg="float64 scores")
