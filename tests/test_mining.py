@@ -314,3 +314,27 @@ def test_search_ranks_ties_by_corpus_order_and_holds_one_block_of_scores_at_a_ti
         scores = np.concatenate([b.scores for _, b in blocks])
         assert_close_normwise(scores, np.take_along_axis(brute, expected, 1), eps_multiple=HAND_EPS,
                               dtype=torch.float64, msg="float64 scores")
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot", "euclidean", "manhattan"])
+def test_faiss_ranks_as_the_exact_search_for_every_similarity_function(tmp_path, similarity):
+    """Vectors of very different norms, so a FAISS metric that ranks otherwise than the similarity (an inner product
+    for cosine, say) finds other documents: both searches give the brute-force top 5."""
+    pytest.importorskip("faiss")  # the exact path is also the reference test's, always run
+    import torch
+
+    from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+    from diffusion_embedder.mining.search import search
+    from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
+
+    rng = np.random.default_rng(1)
+    docs = (rng.normal(size=(300, 8)) * rng.uniform(0.05, 20, size=(300, 1))).astype(np.float32)
+    queries = (rng.normal(size=(7, 8)) * rng.uniform(0.05, 20, size=(7, 1))).astype(np.float32)
+    write_store(tmp_path / "docs", docs, 64)
+    write_store(tmp_path / "queries", queries, 64)
+    documents, asked = EmbeddingStore(str(tmp_path / "docs")), EmbeddingStore(str(tmp_path / "queries"))
+    brute = SIMILARITY_FUNCTIONS[similarity](torch.from_numpy(queries).double(), torch.from_numpy(docs).double())
+    expected = np.stack([sorted(range(300), key=lambda j, row=row: (-row[j], j))[:5] for row in brute.numpy()])
+    for method in ("exact", "faiss"):
+        found = np.concatenate([b.indices for _, b in search(asked, documents, 5, similarity, method=method)])
+        assert np.array_equal(found, expected), method

@@ -274,6 +274,7 @@ def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tm
         "encoder setting pooling_mode": {"pooling_mode": "weighted_mean"},
         "corpus.fingerprint": "corpus",
         "queries": "queries",
+        "instruction": "instruction",
     }
     for expected, change in cases.items():
         run = tmp_path / expected.replace(" ", "_")
@@ -284,11 +285,12 @@ def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tm
             docs = [json.loads(line) for line in (run / "corpus.jsonl").read_text().splitlines()]
             docs[-1]["text"] += " changed"
             write_jsonl(run / "corpus.jsonl", docs)
-        elif change == "queries":
+        elif change in ("queries", "instruction"):
             pairs = [json.loads(line) for line in (run / "pairs.jsonl").read_text().splitlines()]
-            pairs[0]["query"] += " changed"
+            pairs[0][{"queries": "query", "instruction": "instruction"}[change]] += " changed"
             write_jsonl(run / "pairs.jsonl", pairs)
-            expected = "corpus.fingerprint"  # the queries' store is refused for its corpus (the queries)
-        with pytest.raises(MiningError, match=f"holds the embeddings of another model, settings or corpus.*{expected}"):
+            expected = "queries holds.*corpus.fingerprint"  # the queries' store, for its "corpus" (the queries)
+        with pytest.raises(MiningError, match=f"holds the embeddings of another model, settings or corpus.*{expected}"
+                           if "holds" not in expected else expected):
             rerun(run, **options)
         assert before == {p: p.read_bytes() for p in (run / "out").rglob("*") if p.is_file()}  # nothing written
