@@ -199,7 +199,7 @@ def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, 
     :param options: any other ``diffusion-embedder mine`` option by its name (``num_negatives=3``,
         ``relative_margin=0.05``, ``sampling="top"``, ...), with the same defaults.
     """
-    fields = {"pairs": pairs, "output_dir": output_dir, "corpus": corpus, "show_progress_bar": False, **options}
+    fields = {"pairs": pairs, "output_dir": output_dir, "corpus": corpus, **options}
     if encoder is not None and not fields.get("base_model_name_or_path"):
         fields["base_model_name_or_path"] = getattr(encoder, "name_or_path", None) or "(an Encoder object)"
     try:

@@ -44,17 +44,19 @@ class Candidates:
 
 def _exact(queries: torch.Tensor, documents: EmbeddingStore, k: int, similarity: str, block: int,
            device: torch.device) -> torch.Tensor:
-    """Indices of the ``k`` best documents of each query (float32, unordered among themselves)."""
+    """Indices of the ``k`` best documents of each query (float32, unordered among themselves): each block's top k
+    merged into the running top k, so one block of scores is held at a time."""
     best_scores = best_indices = None
     score = SIMILARITY_FUNCTIONS[similarity]
     for start, rows in documents.blocks(block):
         scores = score(queries, torch.from_numpy(rows).to(device))
-        indices = torch.arange(start, start + rows.shape[0], device=device).expand_as(scores)
+        top_scores, top = torch.topk(scores, min(k, scores.shape[1]), dim=1)
+        del scores
+        top += start
         if best_scores is not None:
-            scores = torch.cat([best_scores, scores], dim=1)
-            indices = torch.cat([best_indices, indices], dim=1)
-        best_scores, keep = torch.topk(scores, min(k, scores.shape[1]), dim=1)
-        best_indices = torch.gather(indices, 1, keep)
+            top_scores, top = torch.cat([best_scores, top_scores], dim=1), torch.cat([best_indices, top], dim=1)
+        best_scores, keep = torch.topk(top_scores, min(k, top_scores.shape[1]), dim=1)
+        best_indices = torch.gather(top, 1, keep)
     return best_indices
 
 
