@@ -65,9 +65,34 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def rss_mib() -> float:
+def rss_mib(field: str = "VmRSS") -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+class AnonymousPeak:
+    """The most anonymous memory (RssAnon: not file pages, which the kernel may drop) the process held while
+    running, sampled every 5 ms."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = rss_mib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss_mib("RssAnon"))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mib("RssAnon"))
 
 
 # ----------------------------------------------------------------------------------------------- child processes
@@ -131,11 +156,13 @@ def child_search(folder: Path, block: int) -> dict:
     from diffusion_embedder.mining.search import search
 
     documents, queries = EmbeddingStore(str(folder / "documents")), EmbeddingStore(str(folder / "queries"))
-    before = rss_mib()
+    before, anonymous = rss_mib(), rss_mib("RssAnon")
     start = time.perf_counter()
-    for _ in search(queries, documents, 60, "cosine", query_block=1024, document_block=block):
-        pass
-    return {"wall": time.perf_counter() - start, "growth_mib": peak_mib() - before, "documents": documents.num_rows}
+    with AnonymousPeak() as sampled:
+        for _ in search(queries, documents, 60, "cosine", query_block=1024, document_block=block):
+            pass
+    return {"wall": time.perf_counter() - start, "growth_mib": peak_mib() - before,
+            "anonymous_mib": sampled.peak - anonymous, "documents": documents.num_rows}
 
 
 def random_stores(folder: Path, num_docs: int, num_queries: int, dim: int) -> None:
@@ -230,14 +257,15 @@ def compare_st(args) -> list[str]:
 
 
 def memory_rows(args) -> list[str]:
-    rows = ["| documents | document block | search time (s) | RSS growth during the search (MiB) |",
-            "|---:|---:|---:|---:|"]
+    rows = ["| documents | document block | search time (s) | peak RSS growth (MiB) | peak anonymous memory growth "
+            "(MiB) |", "|---:|---:|---:|---:|---:|"]
     for num_docs in args.memory_docs:
         folder = Path(tempfile.mkdtemp(prefix="bench_mine_mem_"))
         random_stores(folder, num_docs, args.num_queries, args.memory_dim)
         for block in args.memory_blocks:
             result = run_child("search", str(folder), str(block))
-            rows.append(f"| {num_docs} | {block} | {result['wall']:.1f} | {result['growth_mib']:.0f} |")
+            rows.append(f"| {num_docs} | {block} | {result['wall']:.1f} | {result['growth_mib']:.0f} | "
+                        f"{result['anonymous_mib']:.0f} |")
             print(rows[-1], flush=True)
     corpus_mib = [n * args.memory_dim * 4 / 2**20 for n in args.memory_docs]
     return [f"Random float32 vectors of dimension {args.memory_dim} (the corpora: "
@@ -274,6 +302,7 @@ def main() -> None:
     parser.add_argument("--memory-docs", type=int, nargs="+", default=[20000, 160000])
     parser.add_argument("--memory-blocks", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--memory-dim", type=int, default=512)
+    parser.add_argument("--memory-only", action="store_true", help="only the search memory rows")
     parser.add_argument("--gpu", action="store_true", help="the 7B-shape GPU throughput run instead")
     parser.add_argument("--dry-run", action="store_true", help="with --gpu: on the CPU, tiny shape and corpus")
     parser.add_argument("--gpu-docs", type=int, default=50000)
@@ -297,8 +326,10 @@ def main() -> None:
     if args.gpu:
         lines = ["## GPU throughput (7B shape)", "", *header, *gpu_rows(args)]
     else:
-        lines = ["## Ours vs sentence-transformers (CPU)", "", *header, *compare_st(args), "",
-                 "## Search memory: bounded by the block, not the corpus", "", *memory_rows(args)]
+        compared = [] if args.memory_only else ["## Ours vs sentence-transformers (CPU)", "", *header,
+                                                *compare_st(args), ""]
+        lines = [*compared, "## Search memory: bounded by the block, not the corpus", "",
+                 *(header if args.memory_only else []), *memory_rows(args)]
     text = "\n".join(lines) + "\n"
     if args.out:
         Path(args.out).write_text(text)

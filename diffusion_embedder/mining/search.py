@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 #: Candidates taken beyond k before the float64 rescoring, so a candidate that float32 rounding moved just past
 #: the k-th place is still seen.
 SLACK = 16
-#: Float64 values held at once by the rescoring (candidates x dimension x queries): 32 MiB.
-RESCORE_VALUES = 2**22
+#: Float64 values held at once by the rescoring (candidates x dimension x queries): 8 MiB per copy.
+RESCORE_VALUES = 2**20
 
 
 @dataclass
