@@ -318,7 +318,8 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
             lines.append(f"| {r['config']} | | | | not run: {r['not_run']} | | | | |")
             continue
         if "error" in r:
-            lines.append(f"| {r['config']} | | | | failed: {r['error']} | | | | |")
+            said = r["error"] if r["error"].startswith("not run") else f"failed: {r['error']}"
+            lines.append(f"| {r['config']} | | | | {said} | | | | |")
             continue
         lines.append(f"| {r['config']} | {r['triples']} | {r['real_tokens']} | {r['padding_efficiency']:.3f} | "
                      f"{r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
@@ -400,8 +401,11 @@ def gpu_main(args: argparse.Namespace) -> None:
         if args.out:
             args.out.write_text(report)
             args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
     print(report)
-    if any("error" in r for r in rows) and args.dry_run:
+    if any("error" in r for r in rows):
         sys.exit(1)
 
 
@@ -423,6 +427,8 @@ def main() -> None:
                         help="GPU mode: these configurations (repeat the flag), in this order")
     parser.add_argument("--budget", type=float, default=None,
                         help="GPU mode: seconds for all rows; a row may take what is left, later ones are not run")
+    parser.add_argument("--jsonl", type=Path, default=None,
+                        help="GPU mode: append each row to this file as soon as it is measured")
     parser.add_argument("--gpu-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpu_worker:
