@@ -24,15 +24,15 @@
 # datasets, mteb, bm25s or flash-attn, and nothing from the network. Exit status: 0 when every part passed, 1
 # otherwise, 2 when the machine lacks what the run needs (then nothing after the versions runs).
 set -uo pipefail
-cd "$(dirname "$0")/.."
 if [[ $# -ne 1 ]]; then echo "usage: [DRY_RUN=1] bash bench/gpu_run.sh OUT" >&2; exit 2; fi
-OUT="$1"
+mkdir -p "$1" && OUT="$(cd "$1" && pwd)"
+cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"
 DRY_RUN="${DRY_RUN:-0}"
 TOTAL_S="${TOTAL_S:-540}"
 SCRATCH="${SCRATCH:-$(mktemp -d /tmp/gpu_run.XXXXXX)}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-mkdir -p "$OUT" "$SCRATCH"
+mkdir -p "$SCRATCH"
 if [[ -n "$(ls -A "$OUT")" ]]; then echo "$OUT is not empty: give a new folder." >&2; exit 2; fi
 LOG="$OUT/run.log"
 dry=()

@@ -128,7 +128,7 @@ class StepConfig:
 
 
 GPU_CONFIGS = {
-    "padded, ckpt, direct": StepConfig(False, True, False),  # the issue's hand-written step: 4.1k tokens/s (H200)
+    "padded, ckpt, direct": StepConfig(False, True, False),  # a hand-written step measured 4.1k tokens/s (H200)
     "packed, ckpt, direct": StepConfig(True, True, False),  # issue: 5.2k tokens/s
     "padded, direct": StepConfig(False, False, False),
     "packed, direct": StepConfig(True, False, False),
@@ -139,7 +139,7 @@ GPU_CONFIGS = {
     "packed, GradCache, large": StepConfig(True, False, True, large=True),
 }
 QUICK = ["padded, ckpt, direct", "packed, ckpt, direct", "packed, GradCache", "packed, GradCache, large"]
-#: Issue 26's fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
+#: The fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
 #: together, beside "packed, ckpt, direct".
 SPEED_CONFIGS = {  # packed rows on varlen: what the supervised stage trains on with CUDA (pack_length "auto")
     "packed, varlen, ckpt, direct": StepConfig(True, True, False, varlen=True),
@@ -340,9 +340,9 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     header = [f"Command: `{command}`; device: {device}; measured {plan.dtype} matmul peak {peak:.3g} TFLOP/s "
               f"({plan.matmul}^3); shape {plan.shape}; LoRA r 16 on all seven projections; {plan.chunk} texts per "
               "GradCache chunk; MFU counts forward + backward to the inputs only; syncs: synchronising calls in one "
-              "step (torch.cuda.set_sync_debug_mode), their call sites in the JSON rows above. The issue's figures "
-              "count the recomputed forward too (39 GFLOP/token at 7B): its 20%/26% and its 50% goal are 1.5x this "
-              "MFU; tokens/s compare directly.", ""]  # fmt: skip
+              "step (torch.cuda.set_sync_debug_mode on CUDA, diffusion_embedder.host_syncs on a CPU), their call "
+              "sites in the JSON rows. An MFU that counts the recomputed forward too (39 GFLOP/token at 7B) is 1.5x "
+              "this one; tokens/s compare directly.", ""]  # fmt: skip
     return "\n".join(header + lines + [""] + notes) + "\n"
 
 

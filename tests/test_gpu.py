@@ -430,7 +430,7 @@ def lora_step_peak(device: str, model_type: str, dims: dict, tokens: tuple[int, 
 @pytest.mark.parametrize("checkpointed", [28, 20])
 def test_memory_model_predicts_the_7b_lora_step_peak(checkpointed):
     """The activation_checkpointing "auto" policy's prediction against max_memory_allocated, Qwen2.5-7B shape,
-    8 x 1024 tokens. The tolerance is not measured yet (no GPU in the session that wrote it): 20%, to be set from
+    8 x 1024 tokens. The tolerance is not yet measured on a GPU (2026-11-28): 20%, to be set from
     the first run's figure, which the assertion message prints."""
     torch.cuda.empty_cache()
     model_type, dims = SHAPES_7B["qwen2.5-7b"]
