@@ -43,7 +43,7 @@ def verdict(ok: bool | None) -> str:
     return {True: "met", False: "NOT met", None: "not measured"}[ok]
 
 
-def goals(encode: list[dict], trained: list[dict], smoke: list[dict], tests: str) -> list[str]:
+def goals(encode: list[dict], trained: list[dict], smoke: list[dict], tests: str, plan) -> list[str]:
     """One line per goal: the figure and whether it is met."""
     out = ["| goal | measured | |", "|---|---|---|"]
     measured = {(r["set"], r["config"]): r for r in encode if "tokens_per_s" in r}
@@ -72,7 +72,7 @@ def goals(encode: list[dict], trained: list[dict], smoke: list[dict], tests: str
     out.append(f"| GradCache step time <= {GRAD_CACHE_TIME_RATIO}x the direct step's (per token) | "
                f"{f'{ratio:.2f}x' if ratio else '-'} | {verdict(met)} |")
     if cached and cached.get("host_syncs") is not None:
-        chunks = 3 * -(-cached["triples"] // train.GPU_PLAN.chunk)  # three columns, chunk texts each
+        chunks = 3 * -(-cached["triples"] // plan.chunk)  # three columns of triples, chunk texts each
         per = cached["host_syncs"] / chunks
         out.append(f"| host waits per GradCache chunk <= {SYNCS_PER_CHUNK} | {per:.1f} ({cached['host_syncs']} per "
                    f"step) | {verdict(per <= SYNCS_PER_CHUNK)} |")
@@ -131,7 +131,7 @@ def summary(out: Path) -> str:
     lines = [
         "# GPU run (bench/gpu_run.sh)", "", f"`{first}`", "", "## Parts", "", *parts(log), "",
         "## Goals (7B shape, bf16, one H100 or H200)" + (" (a dry run: tiny shapes on a CPU)" if dry else ""), "",
-        *goals(encode, trained, smoke, tests), "", "## Versions", "", "```", versions.rstrip(), "```", "",
+        *goals(encode, trained, smoke, tests, plan), "", "## Versions", "", "```", versions.rstrip(), "```", "",
         "## tests/test_gpu.py (the end of tests.log)", "", "```", *tests.splitlines()[-30:], "```", "",
         "## Errors the tests measured (numerics.log)", "", *numerics(out / "numerics.log"), "",
         "## encode beside the plain Hugging Face loop (encode.jsonl)", "", gpu_bench.table(encode), "",
