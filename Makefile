@@ -19,7 +19,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q
 
 # The GPU checks (tests marked gpu; they skip without CUDA). On a GPU machine without our venv, use
-# bench/gpu.sh, which checks the versions and also runs the 7B benchmarks.
+# bench/gpu_run.sh, which checks the versions and also runs the 7B benchmarks and the training checks.
 test-gpu:
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -m gpu
 

@@ -332,7 +332,8 @@ class Encoder(nn.Module):
         as the longest text of each tokenization step (at most ``packing.MAX_ROW_LENGTH``), ``batch_size``
         rows per forward (or as many as fit ``max_tokens_per_batch``); on CUDA widths and row counts are
         rounded to powers of two (``packing.BOUNDED_SHAPES``) so compiled attention sees few shapes. The
-        embeddings are the same. ``compile=True`` compiles each decoder layer once, in place (``compilation.py``).
+        embeddings are the same. ``compile=True`` compiles each decoder layer once, in place (``compilation.py``);
+        it is refused where it cannot pay (the CPU; varlen's reference path).
         ``device`` may be a list of devices: one persistent worker per device then shares the batches
         (done automatically when several GPUs are visible); ``pool`` (from ``start_multi_process_pool``)
         runs them on that pool's workers instead. ``chunk_size`` is accepted for sentence-transformers'

@@ -408,6 +408,9 @@ def encode(
     if compile:  # the layers stay compiled: a later call reuses them
         if pool is not None or len(devices) > 1:
             raise ValueError("compile=True runs on one device: a device pool's workers hold their own copies")
+        problem = compilation.encode_problem(encoder.model, torch.device(devices[0] or encoder.device))
+        if problem:
+            raise ValueError(f"compile=True is refused: {problem}.")
         compilation.compile_layers(encoder.model)
     if pool is None and len(devices) > 1:
         pool = own_pool(encoder, devices)

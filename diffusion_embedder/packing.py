@@ -290,7 +290,7 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
 #: because SDPA has no flash kernel for an arbitrary mask; so sdpa packs only where its packed forwards run on
 #: the varlen kernel (bf16/fp16, torch >= 2.10), and varlen packs. flex_attention packs: padded it compiles per
 #: batch width (12.3k tokens/s padded, 32.3k packed). eager pads (dense mask, no flash kernel either way).
-#: The varlen rows are not measured yet (bench/gpu.sh measures them beside the plain loop).
+#: The varlen rows are not measured yet (bench/gpu_run.sh measures them beside the plain loop).
 VARLEN_KERNEL = "varlen kernel"
 AUTO_PACKING: dict[tuple[str, str], bool | str] = {
     ("cpu", "sdpa"): False,

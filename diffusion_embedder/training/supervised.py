@@ -134,7 +134,7 @@ def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None 
     attention (``rows.training_rows``), loss and collator, each from its config fields."""
     dataset, num_negatives = data or build_dataset(cfg)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training, graph_tokens(cfg, num_negatives))
-    pack_length = training_rows(cfg.custom.pack_length, encoder)
+    pack_length = training_rows(cfg.custom.pack_length, encoder, cfg.custom.simcse_dropout)
     return EncoderTrainer(
         model=encoder,
         args=cfg.training,
