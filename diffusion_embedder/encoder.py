@@ -312,8 +312,8 @@ class Encoder(EncoderCompat, nn.Module):
         """Embed texts, in input order.
 
         The positional arguments are LLM2Vec's, in its order; newer ones are keyword-only. Texts are batched by
-        length, and a text's vector does not depend on the batch it is computed in. How each step works:
-        [What `encode` does](../../notebook.md#what-encode-does).
+        length, and a text's vector does not depend on the batch it is computed in (the documentation's
+        "The encoder in a notebook" page goes through each step).
 
         Args:
             sentences: Strings, ``[instruction, text]`` pairs (the instruction is attended to and, with

@@ -66,8 +66,8 @@ logger = logging.getLogger(__name__)
 
 USAGE = (
     f"{clihelp.config_usage('mntp')}\n"
-    "CONFIG.json: LM-stage fields (objective mntp | mdm | clm, data, masking, LoRA) and Hugging Face "
-    "TrainingArguments (see train_configs/mntp/, train_configs/tiny/mntp.json)."
+    "CONFIG.json: LM-stage fields (objective mntp | mdm | clm, data, masking, LoRA) and\n"
+    "Hugging Face TrainingArguments (see train_configs/mntp/, train_configs/tiny/mntp.json)."
 )
 
 

@@ -18,7 +18,7 @@ from diffusion_embedder.training.supervised import train
 
 USAGE = (
     f"{clihelp.config_usage('simcse')}\n"
-    "CONFIG.json: the supervised fields plus simcse_dropout (see train_configs/simcse/, train_configs/tiny/)."
+    "CONFIG.json: the supervised fields plus simcse_dropout (train_configs/simcse/, train_configs/tiny/)."
 )
 #: What makes a supervised config a SimCSE one, unless the config says otherwise.
 SIMCSE_DEFAULTS = {"dataset_name": "Wiki1M", "loss_class": "HardNegativeNLLLoss", "num_negatives": 0}

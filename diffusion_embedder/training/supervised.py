@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 USAGE = (
     f"{clihelp.config_usage('train')}\n"
-    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (see train_configs/);\n"
-    "--key value pairs override the file. LLM2Vec's names max_seq_length and bidirectional are accepted."
+    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (train_configs/);\n"
+    "--key value pairs override the file. LLM2Vec's max_seq_length and bidirectional are accepted."
 )
 
 

@@ -50,10 +50,10 @@ def on_files(files, config):
 
 
 def on_nav(nav, config, files):
-    """Every measured result (``bench/results/*.md``, titled by its heading) under Results, so a new one needs no
-    edit here."""
-    pages = [Page(reference.page_title(path), files.get_file_from_path(f"results/{path.name}"), config)
-             for path in sorted(RESULTS.glob("*.md"))]
+    """Every measured result (``bench/results/*.md``, titled by its heading up to a colon) under Results, so a new
+    one needs no edit here."""
+    pages = [Page(reference.page_title(path).split(": ", 1)[0], files.get_file_from_path(f"results/{path.name}"),
+                  config) for path in sorted(RESULTS.glob("*.md"))]
     section = next((item for item in nav.items if isinstance(item, Section) and item.title == RESULTS_SECTION), None)
     if section is None:
         section = Section(RESULTS_SECTION, [])
