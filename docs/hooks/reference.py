@@ -1,6 +1,6 @@
 """What the site's hooks check and add besides the generated pages (``config_page.py``, ``cli_page.py``): the
-API pages' parameters, each named in its docstring (the strict build fails otherwise), the index of measured
-results, and links written for GitHub (relative ``.md`` paths in the repository) mapped to the built site.
+API pages' parameters, each listed in its docstring's ``Args:`` (the strict build fails otherwise), and the index
+and titles of the measured results.
 """
 
 from __future__ import annotations
