@@ -16,6 +16,12 @@ def prog(command: str) -> str:
     return f"{PROG} {command}"
 
 
+def config_usage(command: str) -> str:
+    """A training command's usage: one process, or torchrun's processes each running the installed command."""
+    args = "CONFIG.json [--key value ...]"
+    return f"usage: {prog(command)} {args}\n   or: torchrun --nproc_per_node=N --no-python {prog(command)} {args}"
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every option's help ends with its default (and its choices, when they are not in the metavar)."""
 

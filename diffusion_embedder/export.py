@@ -112,11 +112,16 @@ def save_sentence_transformers(encoder: nn.Module, output_path: str, stock_only:
     """Write a folder ``sentence_transformers.SentenceTransformer(output_path)`` loads with ``encode``'s vectors.
 
     A LoRA adapter is merged into the written weights (``save(merge_before_save=True)``; the encoder keeps
-    its adapter). ``stock_only`` refuses settings that need our module.
+    its adapter). Settings sentence-transformers' own modules cannot compute (instructions skipped in
+    pooling, mask-token readout, ...) use our ``EncoderModule``, which needs ``trust_remote_code`` there.
 
-    :param encoder: the ``Encoder`` to export.
-    :param output_path: the folder to write.
-    :param stock_only: refuse instead of using ``EncoderModule``.
+    Args:
+        encoder: The ``Encoder`` to export.
+        output_path: The folder to write.
+        stock_only: Refuse such settings instead of using ``EncoderModule``.
+
+    Raises:
+        ValueError: With ``stock_only``, a setting sentence-transformers' own modules cannot compute.
     """
     reasons = custom_module_reasons(encoder)
     if reasons and stock_only:

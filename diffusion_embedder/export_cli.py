@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("checkpoint", help="encoder folder, training checkpoint, LLM2Vec folder or base model")
     p.add_argument("output", help="folder to write")
-    p.add_argument("--format", choices=list(FORMATS), default="sentence-transformers")
+    p.add_argument("--format", choices=list(FORMATS), default="sentence-transformers",
+                   help="sentence-transformers: a folder SentenceTransformer(...) loads; encoder: our own folder")
     p.add_argument("--peft_model_name_or_path", help="LoRA adapter over CHECKPOINT (merged into the export)")
     p.add_argument(
         "--torch_dtype", choices=TORCH_DTYPES, default="float32", help="dtype of the weights (auto: the checkpoint's)"

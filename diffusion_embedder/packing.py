@@ -113,6 +113,22 @@ def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> lis
     return batches
 
 
+def pad(sequences: Sequence[tuple[Sequence[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The padded layout of ``(input_ids, span)`` pairs (LLM2Vec's, left-padded): ``input_ids``, ``attention_mask``
+    and ``embed_mask`` (B, L), the last marking each row's pooled span."""
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    embed_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, (ids, span) in enumerate(sequences):
+        if ids:
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        if span:
+            embed_mask[row, width - span :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
+
+
 def pack(
     sequences: Sequence[tuple[Sequence[int], int]], capacity: int, pad_token_id: int, bounded: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -255,6 +271,18 @@ def varlen_offsets(features: dict[str, torch.Tensor]) -> dict:
     longest = features[PACKED_KEY].shape[1]
     offsets = features[OFFSETS_KEY]
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+
+
+def hidden_states(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The backbone's last hidden states (B, L, d) in the padded layout, for padded or packed rows (``pack``)."""
+    if is_packed(features):
+        return packed_hidden(model, features)
+    attention_mask = features["attention_mask"]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    return model(
+        input_ids=features["input_ids"].long(), attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
 
 
 def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:

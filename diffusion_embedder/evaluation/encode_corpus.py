@@ -68,8 +68,8 @@ class _EncodeOptions(ModelOptions):
     split: str | None = option(help="the mteb task's split (default: its first evaluation split)")
     subset: str | None = option(help="the mteb task's subset (default: its first)")
     data_dir: str | None = option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
-    id_field: str = option("_id")
-    text_field: str = option("text")
+    id_field: str = option("_id", "the JSONL field holding each document's id")
+    text_field: str = option("text", "the JSONL field holding each document's text")
     title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
     output_dir: str | None = option(help="the embeddings folder (required)")
     num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
@@ -236,9 +236,17 @@ def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int],
 
 
 def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
-    """``(ids, float32 matrix)`` of an ``encode`` folder, in corpus order; every chunk must be complete and intact.
+    """Read what ``diffusion-embedder encode`` wrote: the ids and their embeddings, in corpus order.
 
-    :param output_dir: the folder ``diffusion-embedder encode`` wrote.
+    Args:
+        output_dir: The folder ``diffusion-embedder encode`` wrote.
+
+    Returns:
+        The document ids, and a float32 ``(N, d)`` array whose row i is document i's embedding.
+
+    Raises:
+        ValueError: A chunk missing, damaged or written by another model or settings (finish it by running the
+            same command again), named with its file.
     """
     manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
     if manifest.get("format") != FORMAT:

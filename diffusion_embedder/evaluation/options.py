@@ -37,7 +37,7 @@ class ModelOptions:
     device: str | None = option(
         help="device to encode on; a comma-separated list (cuda:0,cuda:1) pools them in one process. Under "
              "torchrun each rank uses its own (cuda:LOCAL_RANK) and a list is refused")
-    batch_size: int = option(32)
+    batch_size: int = option(32, "texts per forward pass (the rows of one batch)")
     chunk_size: int = option(
         CHUNK_SIZE, "most texts one Encoder.encode call gets: the unit a torchrun rank takes, stores and "
                     "resumes (fewer for long texts: about 1M characters at most)")

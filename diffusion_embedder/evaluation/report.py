@@ -370,10 +370,18 @@ def plot(table: ResultTable, out_dir: str) -> list[str]:
 
 
 def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, ResultTable]:
-    """Markdown table (returned), plus ``report.md``, ``report.csv`` and the PNGs in ``out_dir``.
+    """One results table of several evaluations, models side by side, and its bar charts.
 
-    :param paths: evaluation output folders (or results folders) to put side by side.
-    :param out_dir: where to write the files; None writes nothing.
+    Args:
+        paths: Evaluation output folders (``diffusion-embedder eval --output_dir``) or results folders.
+        out_dir: Where ``report.md``, ``report.csv`` and the PNGs go; None writes nothing.
+
+    Returns:
+        The markdown table, and the table itself.
+
+    Raises:
+        FileNotFoundError: A path that does not exist.
+        ValueError: A result file mteb cannot read, named with its path.
     """
     table = load_results(paths)
     markdown = to_markdown(table)
@@ -396,7 +404,7 @@ def build_parser():
         description="Table and bar charts of evaluation results, models side by side.",
         formatter_class=clihelp.HelpFormatter,
     )
-    parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of mteb_eval_custom.py, or results folders")
+    parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of diffusion-embedder eval, or results folders")
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
     parser.add_argument(
         "--check", action="store_true",

@@ -46,11 +46,11 @@ class _EvalOptions(ModelOptions):
     a bool a switch)."""
 
     task_name: list[str] = option([], "mteb task name(s); upstream Bright* names accepted")
-    benchmark: str | None = option(choices=tuple(BENCHMARKS))
+    benchmark: str | None = option(help="every task of a benchmark (all: the three)", choices=tuple(BENCHMARKS))
     local_task: list[str] = option([], "BEIR-format folder(s) to evaluate")
     task_to_instructions_fp: str | None = option(
         help="JSON task -> query instruction (default: the shipped file)")
-    output_dir: str = option("results")
+    output_dir: str = option("results", "results folder, laid out as mteb's ResultCache reads it")
     max_length_cap: int = option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits")
     top_k: int | None = option(
         help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
@@ -59,9 +59,9 @@ class _EvalOptions(ModelOptions):
     query_template: str = option(DEFAULT_QUERY_TEMPLATE, "FollowIR query + instruction format")
     embedding_cache_dir: str | None = option(
         help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
-    no_embedding_cache: bool = option(False)
+    no_embedding_cache: bool = option(False, "encode every document again instead of reusing cached embeddings")
     overwrite: bool = option(False, "rerun tasks that already have results")
-    save_predictions: bool = option(False)
+    save_predictions: bool = option(False, "also write each task's ranked documents (RESULTS/predictions)")
     model_name: str | None = option(help="results name (default: diffusion_embedder/<checkpoint folder>)")
     revision: str | None = option(help="results revision (default: hash of weights and settings)")
 

@@ -50,12 +50,13 @@ HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
 def _add_stage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, required=True, help="folder for batch files and parsed JSONL")
-    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
-    p.add_argument("--model", default=None, help="default: $REASONAUG_MODEL or gpt-4o-mini")
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"), help="the concept list (JSONL)")
+    p.add_argument("--model", default=None, help="the LLM asked (default: $REASONAUG_MODEL or gpt-4o-mini)")
     p.add_argument("--rounds", type=int, default=8, help="problem/solution rounds per concept")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds each prompt's random choices and the triplets' sampling")
     p.add_argument("--max-regenerations", type=int, default=2, help="re-asks for a malformed answer")
-    p.add_argument("--concurrency", type=int, default=None, help="default: $REASONAUG_CONCURRENCY or 8")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight at once (default: $REASONAUG_CONCURRENCY or 8)")
     p.add_argument(
         "--batch",
         action="store_true",
@@ -71,26 +72,29 @@ def _add_triplets_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_rebuild_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"))
-    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
-    p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"))
-    p.add_argument("--heldout-fraction", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"),
+                   help="folder of the upstream generation files (batch inputs and outputs)")
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"), help="the concept list (JSONL)")
+    p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"),
+                   help="where the train and held-out files, split.json and stats.json go")
+    p.add_argument("--heldout-fraction", type=float, default=0.2, help="share of each domain's concepts held out")
+    p.add_argument("--seed", type=int, default=0, help="seeds the triplets' sampling and the held-out split")
     p.add_argument("--card", type=Path, default=None, help="data card whose stats block is rewritten")
     p.add_argument("--full", type=Path, default=None, help="also write the all-concept set (one BM25 pool)")
 
 
 def _add_contamination_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
-    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--input", type=Path, required=True, help="triplets JSONL to check")
+    p.add_argument("--output", type=Path, required=True, help="the triplets kept (JSONL)")
+    p.add_argument("--report", type=Path, required=True, help="JSON report of the queries removed")
     p.add_argument("--benchmark", type=Path, default=None, help=".jsonl ('query' field), .json list or .txt")
     p.add_argument("--bright", default=None, help="BRIGHT dataset name or local path, e.g. xlangai/BRIGHT")
-    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--threshold", type=float, default=0.7,
+                   help="difflib similarity ratio at or above which a query counts as a duplicate")
 
 
 def _add_prompts_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"))
+    p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"), help="the card to write (markdown)")
 
 
 class UsageError(Exception):

@@ -24,7 +24,8 @@ from diffusion_embedder.data.batching import GROUP_BY
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.losses import LOSSES
-from diffusion_embedder.training.fsdp import lora_stage_rules
+from diffusion_embedder.training import liger
+from diffusion_embedder.training.fsdp import LORA_STAGE_REFUSAL, lora_stage_rules
 from diffusion_embedder.training.rows import row_rules
 from diffusion_embedder.training.schema import (
     TRAINING_DEFAULTS,
@@ -189,7 +190,8 @@ class CustomArguments(RunArguments, LoraArguments):
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
-SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules, row_rules))
+SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules, row_rules, liger.config_problems),
+                         refused={"fsdp": LORA_STAGE_REFUSAL, "fsdp_config": LORA_STAGE_REFUSAL})
 
 
 @dataclass

@@ -104,6 +104,22 @@ TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None, "activation_checkpo
                                   "gradient_checkpointing": bool | int | str | None}
 #: The words a field typed wider than its choices accepts (``TYPE_OVERRIDES``).
 WORDS = {"activation_checkpointing": ("auto",), "gradient_checkpointing": ("auto",)}
+#: What Hugging Face fields mean here where that differs from transformers' own help (the config reference shows
+#: this instead; the values allowed come from the checks themselves: ``RANGES``, ``WORDS``, ``fsdp.py``, ``liger.py``).
+HELP = {
+    "activation_checkpointing": "Recompute the activations of decoder layers in the backward instead of keeping them: "
+    "true every layer, false none, a number N the first N layers, \"auto\" the fewest layers whose predicted peak "
+    "memory fits the device (its choice logged; not with eager attention). Under fsdp, set "
+    "fsdp_config.activation_checkpointing instead.",
+    "fsdp": "Shard a full-weight LM-stage run (full_training: true) with FSDP2 over torchrun's processes (2 or more): "
+    "true, or transformers' words.",
+    "fsdp_config": "FSDP2's settings, read only with fsdp: a JSON object or the path of a JSON file (a leading fsdp_ "
+    "of a key is dropped).",
+    "use_liger_kernel": "Liger Kernel's Triton kernels (RMSNorm, rotary embeddings, SwiGLU) on the backbone, applied "
+    "by us (liger.py) to the families it is wired for; needs the liger extra, so a CUDA machine.",
+    "liger_kernel_config": "Which of Liger's kernels to apply (a JSON object of booleans), over our defaults.",
+    "remove_unused_columns": "Our datasets are not datasets.Dataset objects: nothing to remove.",
+}
 
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
@@ -243,14 +259,21 @@ def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[
     return errors
 
 
+def is_set(value: Any) -> bool:
+    """Whether a config asks for a setting: true, a non-zero number, a non-blank string, a non-empty collection."""
+    return bool(value.strip()) if isinstance(value, str) else bool(value)
+
+
 @dataclass(frozen=True)
 class StageSchema:
     """A stage's config: its argument ``classes`` (``TrainingArguments`` last), its own numeric ``ranges`` (added
-    to ``RANGES``) and its ``rules`` across fields (each returns one message per problem, naming the field)."""
+    to ``RANGES``), the fields it ``refused`` when set (``field -> why``; the config reference leaves this stage out
+    of theirs) and its ``rules`` across fields (each returns one message per problem, naming the field)."""
 
     classes: tuple[type, ...]
     ranges: dict[str, tuple] = field(default_factory=dict)
     rules: tuple[Callable[[dict[str, Any]], list[str]], ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
 
     def fields_help(self) -> str:
         """``--help``: one line per field of the stage's own classes (type, default, choices, help)."""
@@ -287,6 +310,8 @@ class StageSchema:
         for name in REQUIRED_TRAINING:
             if values.get(name) is None:
                 errors.append(f"missing required field {name!r} (TrainingArguments)")
+        errors += [f"{name}: {values[name]!r} is not supported by this stage ({why})"
+                   for name, why in self.refused.items() if is_set(values.get(name))]
         errors += [problem for rule in self.rules for problem in rule(values)]
         return errors + range_errors(values, {**RANGES, **self.ranges}) + requirement_errors(values)
 

@@ -42,10 +42,9 @@ from diffusion_embedder.training.trainer import EncoderTrainer
 logger = logging.getLogger(__name__)
 
 USAGE = (
-    f"usage: {clihelp.prog('train')} CONFIG.json [--key value ...]\n"
-    "   or: torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (see train_configs/);\n"
-    "--key value pairs override the file. LLM2Vec's names max_seq_length and bidirectional are accepted."
+    f"{clihelp.config_usage('train')}\n"
+    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (train_configs/);\n"
+    "--key value pairs override the file. LLM2Vec's max_seq_length and bidirectional are accepted."
 )
 
 
