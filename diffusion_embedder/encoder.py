@@ -361,7 +361,8 @@ class Encoder(EncoderCompat, nn.Module):
                 ``pool`` that ``start_multi_process_pool`` did not make.
             ValueError: A pair of the wrong length, text that is not valid Unicode, ``batch_size`` < 1, an
                 unknown ``precision`` or ``output_value``, ``prompt`` with ``prompt_name`` or with an input
-                that has an instruction, ``pool`` with ``device``, ``compile`` with several devices or where it is refused.
+                that has an instruction, ``pool`` with ``device``, ``compile`` with several devices or where it
+                cannot pay.
         """
         return inference.encode(
             self, sentences, batch_size, show_progress_bar, convert_to_numpy, convert_to_tensor, device,
