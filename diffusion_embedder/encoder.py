@@ -9,7 +9,7 @@ module given the encoder (or its class) rather than importing it: ``loading`` (`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 
 from diffusion_embedder import backbones, folders, inference, loading, tokenization
 from diffusion_embedder import packing as packing_mod
-from diffusion_embedder.config import EncoderConfig, resolve_config
+from diffusion_embedder.config import SETTING_NAMES, EncoderConfig, check_values, resolve_config
 from diffusion_embedder.export import export
 from diffusion_embedder.pooling import LatentAttentionPooling, pool
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
@@ -32,6 +32,7 @@ from diffusion_embedder.templates import (
     render,
 )
 from diffusion_embedder.tokenization import Tokenized
+from diffusion_embedder.values import checked
 
 if TYPE_CHECKING:
     from diffusion_embedder.multiprocess import DevicePool
@@ -50,8 +51,10 @@ def _config_attribute(name: str) -> tuple:
 
 
 class Encoder(nn.Module):
-    """Text encoder over a (bidirectional) decoder LM. ``LLM2Vec`` is the same class."""
+    """Text encoder over a (bidirectional) decoder LM. ``LLM2Vec`` is the same class. Its public methods' keywords
+    are checked against their annotations before any work (``values.checked``)."""
 
+    @checked(leave=SETTING_NAMES)
     def __init__(
         self,
         model: nn.Module,
@@ -79,6 +82,7 @@ class Encoder(nn.Module):
             skip_instruction=skip_instruction,
         )
         settings = {**{k: v for k, v in positional.items() if v is not None}, **settings}
+        check_values(settings, "encoder settings")  # each by its own definition, before the model is looked at
         self.model = model
         self.tokenizer = left_padded(tokenizer)  # a copy where the caller's lacks LLM2Vec's padding
         if config is None:
@@ -117,6 +121,7 @@ class Encoder(nn.Module):
 
     # ------------------------------------------------------------------ loading
     @classmethod
+    @checked(leave=SETTING_NAMES)
     def from_pretrained(
         cls,
         base_model_name_or_path: str,
@@ -220,17 +225,13 @@ class Encoder(nn.Module):
                 embed_mask[row, width - tok.span :] = 1
         return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
 
-    def _collate_packed(
-        self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False
-    ) -> dict[str, torch.Tensor]:
+    def _collate_packed(self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False) -> dict:
         """Packed rows of ``pack_length``; ``bounded``: row count padded to a power of two (``packing.pack``)."""
         return packing_mod.pack(
             [(t.input_ids, t.span) for t in batch], pack_length, self.tokenizer.pad_token_id, bounded
         )
 
-    def tokenize(
-        self, inputs: Sequence[str | Sequence[str]], *, pack_length: int | None = None
-    ) -> dict[str, torch.Tensor]:
+    def tokenize(self, inputs: Sequence[str | Sequence[str]], *, pack_length: int | None = None) -> dict:
         """``inputs`` (strings or ``[instruction, text]`` pairs) to padded ``input_ids``, ``attention_mask``,
         ``embed_mask``.
 
@@ -253,12 +254,8 @@ class Encoder(nn.Module):
             return packing_mod.packed_hidden(self.model, features)
         attention_mask = features["attention_mask"]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return self.model(
-            input_ids=features["input_ids"].long(),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state
+        return self.model(input_ids=features["input_ids"].long(), attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).last_hidden_state
 
     def get_pooling(self, features: dict[str, torch.Tensor], last_hidden_states: torch.Tensor) -> torch.Tensor:
         """LLM2Vec's: pool ``last_hidden_states`` (B, L, d) over ``features``' masks (the text span with
@@ -290,6 +287,7 @@ class Encoder(nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
 
     # ------------------------------------------------------------------ encode
+    @checked
     def encode(
         self,
         sentences: str | Sequence[str | Sequence[str]],
@@ -310,7 +308,7 @@ class Encoder(nn.Module):
         max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
-        packing: str | bool = "auto", compile: bool = False,
+        packing: bool | Literal["auto"] = "auto", compile: bool = False,
     ) -> torch.Tensor | np.ndarray | list:
         """Embed ``sentences`` (strings or ``[instruction, text]`` pairs), in input order (``show_progress_bar``;
         ``convert_to_tensor`` is accepted for sentence-transformers' signature: a tensor is the default).
@@ -399,6 +397,7 @@ class Encoder(nn.Module):
         """sentence-transformers' name: stop the workers of ``pool``, from ``start_multi_process_pool``."""
         pool.close()
 
+    @checked
     def encode_multi_process(
         self,
         sentences: Sequence[str | Sequence[str]],
@@ -427,6 +426,7 @@ class Encoder(nn.Module):
         return state
 
     # ------------------------------------------------------------------ saving
+    @checked
     def save(
         self, output_path: str, merge_before_save: bool = False, save_config: bool = True, *, format: str = "encoder"
     ) -> None:

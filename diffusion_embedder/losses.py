@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from diffusion_embedder.values import checked
+
 logger = logging.getLogger(__name__)
 
 Negatives = torch.Tensor | Sequence[torch.Tensor] | None
@@ -123,6 +125,7 @@ class RepllamaLoss:
     are off by default as upstream. The returned value is always the mean over the global batch.
     """
 
+    @checked
     def __init__(
         self, scale_by_dim: bool = True, in_batch_negatives: bool = False, cross_device_negatives: bool = False
     ):

@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--generated-negatives", action="store_true", help="also run the LLM-written negatives stage")
     p.add_argument("--benchmark", default=None, help="benchmark queries for the contamination check")
     p.add_argument("--batch", action="store_true", help="Batch-API mode: write inputs, parse downloaded outputs")
+    p.add_argument("--allow-missing-definitions", action="store_true",
+                   help="build without the concepts the 'definitions' stage found no definition for (listed)")
     args = p.parse_args(argv)
 
     if args.rebuild:
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
 
     common = ["--workdir", str(args.workdir), "--concepts", args.concepts, "--rounds", str(args.rounds)]
     common += ["--seed", str(args.seed)] + (["--batch"] if args.batch else [])
+    common += ["--allow-missing-definitions"] if args.allow_missing_definitions else []
     for stage in STAGES:
         if stage == "negatives" and not args.generated_negatives:
             continue

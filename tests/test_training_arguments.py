@@ -299,7 +299,8 @@ def test_either_checkpointing_spelling_works_on_the_command_line_and_errors_name
     read_as = installed[0]  # the newest spelling installed
     schema = StageSchema((Release,))
     for spelling in ("activation_checkpointing", "gradient_checkpointing"):
-        assert parse_overrides([f"--{spelling}", "false"], (Release,)) == {read_as: False}
+        overrides = parse_overrides([f"--{spelling}", "false"], (Release,))
+        assert overrides == {spelling: False} and schema.canonical(overrides) == ({read_as: False}, [])
         config = tmp_path / f"{spelling}.json"
         other = "gradient_checkpointing" if spelling == "activation_checkpointing" else "activation_checkpointing"
         config.write_text(json.dumps({"output_dir": "o", other: True}))

@@ -42,16 +42,9 @@ def _code(value: Any) -> str:
 
 def stage_schemas() -> dict[str, Any]:
     """``stage name -> StageSchema``: the one schema object each stage's module validates its config with."""
-    from diffusion_embedder.training.schema import StageSchema
-    from diffusion_embedder.training.stages import STAGES
+    from diffusion_embedder.training.schema import stage_schemas
 
-    schemas = {}
-    for name, stage in STAGES.items():
-        found = {id(v): v for v in vars(import_module(stage.module)).values() if isinstance(v, StageSchema)}
-        if len(found) != 1:
-            raise RuntimeError(f"stage {name!r}: expected one StageSchema in {stage.module}, found {len(found)}")
-        schemas[name] = next(iter(found.values()))
-    return schemas
+    return stage_schemas()
 
 
 def _defining_class(cls: type, name: str) -> type:
@@ -66,9 +59,9 @@ def _defining_class(cls: type, name: str) -> type:
 def _rule_text(name: str, tp: Any, f: dataclasses.Field, ranges: dict[str, tuple]) -> str:
     """The allowed values of a field: its choices, its numeric range, or the encoder setting's own rule."""
     from diffusion_embedder.config import value_problem
-    from diffusion_embedder.training.schema import _enum_choices
+    from diffusion_embedder.values import enum_choices
 
-    choices = f.metadata.get("choices") or _enum_choices(tp)
+    choices = f.metadata.get("choices") or enum_choices(tp)
     if choices:
         return "one of " + ", ".join(_code(c) for c in choices)
     parts = []
@@ -98,8 +91,8 @@ def config_rows() -> dict[type, list[dict[str, str]]]:
         default_of,
         field_aliases,
         field_table,
-        type_text,
     )
+    from diffusion_embedder.values import type_text
 
     rows: dict[type, dict[str, dict[str, Any]]] = {}
     for stage, schema in stage_schemas().items():
