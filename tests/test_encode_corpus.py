@@ -300,9 +300,9 @@ def test_shares_of_a_job_array_under_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     args = ec.parse_args(argv(Path("out"), "--num_shards", "3", "--shard_index", "2"))
     assert ec._shard(args) == (5, 6)  # job 2 of 3, rank 1 of 2: share 5 of 6
-    args.shard_index = 3
+    args.shard_index = 3  # checked with every flag, before the model loads
     with pytest.raises(ValueError, match="--shard_index 3 is not in 0 .. --num_shards - 1 = 2"):
-        ec._shard(args)
+        ec.check_arguments(args)
 
 
 def test_help_lists_every_option_with_its_default(capsys, monkeypatch):

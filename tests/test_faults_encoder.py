@@ -188,7 +188,7 @@ def test_one_dtype_parser_lists_the_choices():
     assert resolve_dtype(torch.float16) is torch.float16
     assert resolve_dtype("auto") == "auto"
     for bad in ("float", "fp16", "bf16", torch.int64, 16, ""):
-        with pytest.raises(ValueError, match=r"torch_dtype: .* (is|nor) one of \['auto', 'bfloat16', 'float16', "
+        with pytest.raises(ValueError, match=r"torch_dtype: .* (is not|nor) one of \['auto', 'bfloat16', 'float16', "
                                              r"'float32'\]"):
             resolve_dtype(bad)
 

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from diffusion_embedder.clihelp import fields_help
 from diffusion_embedder.config import value_problem
+from diffusion_embedder.files import folder_problem
 from diffusion_embedder.training.stages import STAGES
 from diffusion_embedder.values import problem, range_problem
 
@@ -281,6 +282,8 @@ class StageSchema:
         for name in REQUIRED_TRAINING:
             if values.get(name) is None:
                 errors.append(f"missing required field {name!r} (TrainingArguments)")
+        if isinstance(values.get("output_dir"), str):  # a file there would stop the run as it claims the folder
+            errors += [found for found in [folder_problem(values["output_dir"], "output_dir")] if found]
         errors += [problem for rule in self.rules for problem in rule(values)]
         return errors + range_errors(values, {**RANGES, **self.ranges}) + requirement_errors(values)
 
