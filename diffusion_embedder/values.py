@@ -11,6 +11,7 @@ annotations the same way (``checked``), before any work.
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import enum
 import functools
@@ -163,17 +164,17 @@ def text_type(name: str, tp: Any, choices=None, bounds: Bounds | None = None,
     return parse
 
 
+class _Names(dict):
+    """The names an annotation may use: the function's module's and the builtins; a name imported for type checking
+    only reads as Any (such an object is left to the function)."""
+
+    def __missing__(self, key: str) -> Any:
+        return Any
+
+
 def _annotations(func: Callable) -> dict[str, Any]:
-    """A function's parameter types; a name this module cannot resolve (imported for type checking only) is Any."""
-    out = {}
-    for name, annotation in inspect.get_annotations(func).items():
-        if isinstance(annotation, str):
-            try:
-                annotation = eval(annotation, func.__globals__)  # noqa: S307 - the package's own annotations
-            except (NameError, AttributeError, TypeError):
-                annotation = Any
-        out[name] = annotation
-    return out
+    """A function's parameter types, resolved by ``typing.get_type_hints``."""
+    return typing.get_type_hints(func, localns=_Names({**vars(builtins), **func.__globals__}))
 
 
 def keyword_problems(hints: dict[str, Any], arguments: dict[str, Any]) -> list[str]:

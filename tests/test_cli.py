@@ -175,3 +175,23 @@ def test_export_of_a_missing_checkpoint_is_refused_in_our_words(tmp_path, capsys
     code, err = _exit(["export", str(tmp_path / "no_such_checkpoint"), str(tmp_path / "st")], capsys)
     assert code == 2 and err.startswith("error: ") and "no_such_checkpoint" in err and "Traceback" not in err
     assert not (tmp_path / "st").exists()
+
+
+@pytest.mark.parametrize(("script", "argv", "message"), [
+    ("demo", ["--nproc", "0"], "argument --nproc: nproc: must be >= 1, got 0"),
+    ("demo", ["--max_steps", "-5"], "argument --max_steps: max_steps: must be >= 1, got -5"),
+    ("demo", ["--output_dir", "{a_file}"], "--output_dir {a_file} is a file, not a folder"),
+    ("study", ["--embed_steps", "0"], "argument --embed_steps: embed_steps: must be >= 1, got 0"),
+    ("study", ["--output_dir", "{a_file}/runs"], "--output_dir {a_file}/runs lies under {a_file}, which is a file"),
+    ("build_reasonaug", ["--rounds", "-2"], "argument --rounds: rounds: must be >= 1, got -2"),
+    ("build_reasonaug", ["--heldout-fraction", "1.5"], "argument --heldout-fraction: heldout_fraction: must be < 1"),
+])
+def test_the_experiments_refuse_numbers_out_of_range_and_an_output_that_is_a_file(script, argv, message, a_file,
+                                                                                   capsys):
+    """Their flags had no range: ``--nproc 0`` reached torchrun, ``--rounds -2`` the stages."""
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as stop:
+        module.main([arg.format(a_file=a_file) for arg in argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message.format(a_file=a_file) in err and "Traceback" not in err
+    assert a_file.read_text() == "not a folder"
