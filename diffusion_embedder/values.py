@@ -97,6 +97,8 @@ def range_problem(name: str, value: Any, bounds: Bounds | None) -> str | None:
     """Why a number is outside ``bounds``; None when it is inside (or is no number: the type check says so)."""
     if bounds is None or not isinstance(value, int | float) or isinstance(value, bool):
         return None
+    if value != value:  # NaN (JSON's NaN, or "nan"): every comparison below would pass it
+        return f"{name}: must be a number, got {value}"
     low, high = bounds
     if low is not None and (value < low[0] or (value == low[0] and not low[1])):
         return f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}"

@@ -108,7 +108,7 @@ def _add_contamination_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, required=True)
     p.add_argument("--benchmark", type=Path, default=None, help=".jsonl ('query' field), .json list or .txt")
     p.add_argument("--bright", default=None, help="BRIGHT dataset name or local path, e.g. xlangai/BRIGHT")
-    p.add_argument("--threshold", type=_number("threshold", float), default=0.7)
+    p.add_argument("--threshold", type=float, default=0.7)  # "nan" too: check_threshold refuses it by name
 
 
 def _add_prompts_args(p: argparse.ArgumentParser) -> None:
