@@ -40,6 +40,7 @@ from diffusion_embedder import varlen  # registers attn_implementation="varlen" 
 from diffusion_embedder.dtypes import resolve_dtype
 from diffusion_embedder.files import find_file, hub_kwargs_of, read_json_object
 from diffusion_embedder.release_configs import LLADA_KEY_MAPPING, BackboneConfigError, dream_config, llada_config
+from diffusion_embedder.values import checked
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +265,7 @@ def _own_load_report():
         target.removeFilter(report_filter)
 
 
+@checked
 def load_backbone(
     name_or_path: str,
     enable_bidirectional: bool = True,

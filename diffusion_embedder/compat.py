@@ -16,6 +16,7 @@ import numpy as np
 from diffusion_embedder import inference
 from diffusion_embedder.similarity import check_similarity_fn_name
 from diffusion_embedder.templates import SEPARATOR, PreparedText, parse_input, render
+from diffusion_embedder.values import checked
 
 if TYPE_CHECKING:
     from diffusion_embedder.multiprocess import DevicePool
@@ -115,6 +116,7 @@ class EncoderCompat:
         """
         pool.close()
 
+    @checked
     def encode_multi_process(
         self,
         sentences: Sequence[str | Sequence[str]],

@@ -9,7 +9,7 @@ module given the encoder (or its class) rather than importing it: ``loading`` (`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from diffusion_embedder import backbones, folders, inference, loading, tokenization
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.compat import EncoderCompat
-from diffusion_embedder.config import EncoderConfig, resolve_config
+from diffusion_embedder.config import SETTING_NAMES, EncoderConfig, check_values, resolve_config
 from diffusion_embedder.export import export
 from diffusion_embedder.pooling import LatentAttentionPooling, pool_features
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
@@ -29,6 +29,7 @@ from diffusion_embedder.templates import (
     parse_inputs,
 )
 from diffusion_embedder.tokenization import Tokenized
+from diffusion_embedder.values import checked
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
 
 class Encoder(EncoderCompat, nn.Module):
-    """Text encoder over a (bidirectional) decoder LM. ``LLM2Vec`` is the same class."""
+    """Text encoder over a (bidirectional) decoder LM (= ``LLM2Vec``); public keywords checked (``values.checked``)."""
 
+    @checked(leave=SETTING_NAMES)
     def __init__(
         self,
         model: nn.Module,
@@ -81,6 +83,7 @@ class Encoder(EncoderCompat, nn.Module):
             skip_instruction=skip_instruction,
         )
         settings = {**{k: v for k, v in positional.items() if v is not None}, **settings}
+        check_values(settings, "encoder settings")  # each by its own definition, before the model is looked at
         self.model = model
         self.tokenizer = left_padded(tokenizer)  # a copy where the caller's lacks LLM2Vec's padding
         if config is None:
@@ -114,6 +117,7 @@ class Encoder(EncoderCompat, nn.Module):
 
     # ------------------------------------------------------------------ loading
     @classmethod
+    @checked(leave=SETTING_NAMES)
     def from_pretrained(
         cls,
         base_model_name_or_path: str,
@@ -232,9 +236,7 @@ class Encoder(EncoderCompat, nn.Module):
         """Left-pad (LLM2Vec's layout); ``embed_mask`` marks each row's pooled span."""
         return packing_mod.pad([(t.input_ids, t.span) for t in batch], self.tokenizer.pad_token_id)
 
-    def _collate_packed(
-        self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False
-    ) -> dict[str, torch.Tensor]:
+    def _collate_packed(self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False) -> dict:
         """Packed rows of ``pack_length``; ``bounded``: row count padded to a power of two (``packing.pack``)."""
         return packing_mod.pack(
             [(t.input_ids, t.span) for t in batch], pack_length, self.tokenizer.pad_token_id, bounded
@@ -287,6 +289,7 @@ class Encoder(EncoderCompat, nn.Module):
         return pool_features(features, last_hidden_states, self.config, self.latent)
 
     # ------------------------------------------------------------------ encode
+    @checked
     def encode(
         self,
         sentences: str | Sequence[str | Sequence[str]],
@@ -307,7 +310,7 @@ class Encoder(EncoderCompat, nn.Module):
         max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
-        packing: str | bool = "auto", compile: bool = False,
+        packing: bool | Literal["auto"] = "auto", compile: bool = False,
     ) -> torch.Tensor | np.ndarray | list:
         """Embed texts, in input order.
 
@@ -415,6 +418,7 @@ class Encoder(EncoderCompat, nn.Module):
         return SIMILARITY_FUNCTIONS[self.config.similarity_fn_name](embeddings1, embeddings2)
 
     # ------------------------------------------------------------------ saving
+    @checked
     def save(
         self, output_path: str, merge_before_save: bool = False, save_config: bool = True, *, format: str = "encoder"
     ) -> None:

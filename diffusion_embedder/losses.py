@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from diffusion_embedder.values import checked
+
 logger = logging.getLogger(__name__)
 
 Negatives = torch.Tensor | Sequence[torch.Tensor] | None
@@ -134,6 +136,7 @@ class RepllamaLoss:
         ValueError: ``cross_device_negatives`` without ``in_batch_negatives``.
     """
 
+    @checked
     def __init__(
         self, scale_by_dim: bool = True, in_batch_negatives: bool = False, cross_device_negatives: bool = False
     ):

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
 from diffusion_embedder import varlen
+from diffusion_embedder.values import OptionError, problem
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ OFFSETS_KEY = "cu_seq_lens"
 #: Upper bound on the row width of packed encoding per device type (a dense block mask holds
 #: rows x width^2 entries); texts longer than this are encoded in rows of their own, without a mask.
 MAX_ROW_LENGTH = {"cpu": 4096, "cuda": 8192}
-PACKING_CHOICES = ("auto", True, False)
+#: What ``encode(packing=...)`` accepts: on, off, or "auto" (``AUTO_PACKING``).
+PACKING_TYPE = bool | Literal["auto"]
 
 
 def is_packed(features: dict) -> bool:
@@ -338,8 +341,9 @@ SLOW_PADDED = {
 
 
 def check_packing(choice) -> str | bool:
-    if choice not in PACKING_CHOICES or not isinstance(choice, str | bool):
-        raise ValueError(f"packing must be one of {PACKING_CHOICES}, got {choice!r}.")
+    found = problem("packing", choice, PACKING_TYPE)
+    if found:
+        raise OptionError(found)
     return choice
 
 

@@ -115,7 +115,8 @@ def test_what_a_block_says_is_what_the_validator_does():
     value beyond it refused; "only X" refuses the field's other values; a stage the page lists accepts the field
     set, a stage it says refuses it refuses it; a value the page says needs something is refused, where this
     machine lacks it, naming that need."""
-    from diffusion_embedder.training.schema import _enum_choices, field_table
+    from diffusion_embedder.training.schema import field_table
+    from diffusion_embedder.values import enum_choices
 
     schemas = config_page.stage_schemas()
     built = {stage: schema.resolve(dict(MINIMAL[stage]))[1] for stage, schema in schemas.items()}
@@ -144,7 +145,7 @@ def test_what_a_block_says_is_what_the_validator_does():
             for choice in doc.choices or ():
                 assert _about(schema, {**values, doc.name: choice}, doc.name) == [], (stage, doc.name, choice)
             if doc.allowed.startswith("only "):
-                others = [c for c in _enum_choices(field_table(schema.classes)[doc.name][2]) or [not doc.choices[0]]
+                others = [c for c in enum_choices(field_table(schema.classes)[doc.name][2]) or [not doc.choices[0]]
                           if c != doc.choices[0]]
                 assert others and all(_about(schema, {**values, doc.name: c}, doc.name) for c in others), doc.name
             for word in doc.words:

@@ -336,7 +336,7 @@ def test_cli_export(tmp_path, capsys):
     latent = tmp_path / "latent"
     Encoder.from_pretrained(str(LLAMA_FIXTURE), pooling_mode="latent_attention", device="cpu").save(str(latent))
     assert cli_main(["export", str(latent), str(tmp_path / "refused"), "--stock_only"]) == 2
-    assert "pooling_mode='latent_attention'" in capsys.readouterr().out
+    assert "pooling_mode='latent_attention'" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
 
 
@@ -348,7 +348,7 @@ def test_export_to_a_file_says_so_in_our_words(tmp_path, capsys):
     taken.write_text("not a folder")
     for out, where in ((taken, "is a file"), (taken / "sub", f"lies under {taken}, which is a file")):
         assert cli_main(["export", str(LLAMA_FIXTURE), str(out)]) == 2
-        assert capsys.readouterr().out == f"error: OUTPUT {out} {where}, not a folder; choose another path, or " \
+        assert capsys.readouterr().err == f"error: OUTPUT {out} {where}, not a folder; choose another path, or " \
                                           "move the file away.\n"
     encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
     for format in FORMATS:  # the API too, every format: the same message, the file untouched

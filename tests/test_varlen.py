@@ -213,7 +213,7 @@ def test_simcse_dropout_with_varlen_is_refused_before_loading(tmp_path):
 
     with pytest.raises(ConfigError, match="attn_implementation: 'varlen' has no attention dropout, and simcse_dropout"):
         make_config(tmp_path, attn_implementation="varlen", simcse_dropout=0.3)
-    with pytest.raises(ConfigError, match="pack_length: 'wide' is not a number of tokens, 'auto' or null"):
+    with pytest.raises(ConfigError, match="pack_length: 'wide' \\(str\\) is not of type int or 'auto' or null"):
         make_config(tmp_path, pack_length="wide")
 
 

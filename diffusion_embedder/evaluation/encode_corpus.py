@@ -35,11 +35,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusion_embedder import __version__, distributed
+from diffusion_embedder import __version__, clihelp, distributed
+from diffusion_embedder.clihelp import UsageError
 from diffusion_embedder.data.jsonl import Field, read_jsonl_rows
 from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
+    EXIT_STATUS,
     ModelOptions,
+    check_folder,
+    check_model_options,
     command_parser,
     encoder_overrides,
     option,
@@ -47,7 +51,9 @@ from diffusion_embedder.evaluation.options import (
 )
 from diffusion_embedder.evaluation.results import computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
-from diffusion_embedder.files import read_json_object
+from diffusion_embedder.files import check_file, read_json_object
+from diffusion_embedder.inference import BOUNDS
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +79,26 @@ class _EncodeOptions(ModelOptions):
     title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
     output_dir: str | None = option(help="the embeddings folder (required)")
     num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
-                                "each one's ranks share its part")
-    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)")
-    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead")
+                                "each one's ranks share its part", bounds=AT_LEAST_ONE)
+    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)",
+                              bounds=AT_LEAST_ZERO)
+    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead",
+                                              bounds=BOUNDS["max_tokens_per_batch"])
 
 
 #: The ``encode`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
 EncodeArguments = with_encoder_settings(_EncodeOptions, "EncodeArguments", __name__)
+
+
+class OtherEmbeddings(ValueError):
+    """An output folder holding the embeddings of another model, settings or corpus (never mixed with these)."""
+
+
+#: ``encode``'s exit statuses (``clihelp.run_command``): 0 done (every chunk of this process's share written or
+#: found complete); 2 the run could not start, the message alone: a flag (``evaluation/options.py``'s
+#: ``EXIT_STATUS``), the corpus file, the checkpoint's files, or an output folder that is a file or holds other
+#: embeddings (``OtherEmbeddings``). Anything else is a bug, with its traceback.
+ENCODE_EXIT_STATUS: dict[type[Exception], int] = {**EXIT_STATUS, OtherEmbeddings: 2}
 
 
 @dataclass
@@ -193,10 +212,23 @@ def claim_folder(folder: str, manifest: dict) -> None:
             os.link(tmp, path)
         os.remove(tmp)
     stored = read_json_object(path, ValueError)
-    differences = _differences(stored, json.loads(json.dumps(manifest)))
+    _refuse_other(folder, _differences(stored, json.loads(json.dumps(manifest))))
+
+
+def _refuse_other(folder: str, differences: list[str]) -> None:
     if differences:
-        raise ValueError(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
-                         f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+        raise OtherEmbeddings(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
+                              f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+
+
+def check_corpus_there(folder: str, manifest: dict) -> None:
+    """Before the model loads: a folder whose manifest names another corpus or chunk plan than ``manifest`` (the
+    part known without the model) is refused as ``claim_folder`` would refuse it after loading."""
+    path = os.path.join(folder, MANIFEST)
+    if os.path.isfile(path):
+        old, new = _flat(read_json_object(path, OtherEmbeddings)), _flat(manifest)
+        _refuse_other(folder, [f"{key}: {old.get(key)!r} there, {new[key]!r} now" for key in IDENTITY_KEYS
+                               if key in new and old.get(key) != new[key]])
 
 
 def _check_chunk(
@@ -282,9 +314,21 @@ def parse_args(argv: list[str] | None = None) -> EncodeArguments:
     return EncodeArguments(**vars(build_parser().parse_args(argv)))
 
 
-def _read_corpus(args) -> Corpus:
+def check_arguments(args) -> None:
+    """Every flag, before any model loads or any file is written (argparse has read and checked each value)."""
+    check_model_options(args, _EncodeOptions)
+    if not args.output_dir:
+        raise UsageError("--output_dir is required.")
+    check_folder(args.output_dir, "--output_dir")
     if bool(args.corpus) == bool(args.task_name):
-        raise ValueError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
+        raise UsageError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
+    if args.corpus:
+        check_file(args.corpus, "--corpus")
+    if not 0 <= args.shard_index < args.num_shards:
+        raise UsageError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+
+
+def _read_corpus(args) -> Corpus:
     if args.task_name:
         return read_task_corpus(args.task_name, args.split, args.subset, args.data_dir)
     return read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
@@ -292,8 +336,6 @@ def _read_corpus(args) -> Corpus:
 
 def _shard(args) -> tuple[int, int]:
     """``(index, count)`` of this process: the job array's shard, split again over torchrun's ranks."""
-    if not 0 <= args.shard_index < args.num_shards:
-        raise ValueError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
     world = distributed.world_size()
     return args.shard_index * world + distributed.rank(), args.num_shards * world
 
@@ -316,14 +358,14 @@ def _manifest(args, encoder, corpus: Corpus, chunks: list[tuple[int, int]], num_
 
 def encode_corpus(args) -> EncodeStats:
     """Encode this process's chunks of the corpus into ``args.output_dir``, skipping those already complete."""
-    if not args.output_dir:
-        raise ValueError("--output_dir is required.")
-    if not args.base_model_name_or_path:
-        raise ValueError("--base_model_name_or_path is required.")
+    check_arguments(args)
     load_device, encode_device = distributed.placement(args.device)
     shard, num_shards = _shard(args)
     corpus = _read_corpus(args)
     chunks = plan_chunks([len(t) for t in corpus.texts], args.chunk_size)
+    check_corpus_there(args.output_dir, {
+        "corpus": {"fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
+        "chunks": {"chunk_size": args.chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(chunks)}})
     encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                               load_device, **encoder_overrides(args))
     manifest = _manifest(args, encoder, corpus, chunks, num_shards)
@@ -355,11 +397,16 @@ def encode_corpus(args) -> EncodeStats:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done."""
+    """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done. Exit status:
+    ``ENCODE_EXIT_STATUS``."""
     logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
+    return clihelp.run_command(lambda: _run(args), ENCODE_EXIT_STATUS)
+
+
+def _run(args) -> int:
+    check_arguments(args)  # before any process starts waiting for the others
     distributed.init()
     try:
         everyone = distributed.gather(encode_corpus(args))

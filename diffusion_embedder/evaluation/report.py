@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -413,20 +412,35 @@ def build_parser():
     return parser
 
 
+#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads); 1 with
+#: ``--check``, some result file is unreadable (each named); 2 nothing could be reported, the message alone: a
+#: results folder that is missing or holds nothing readable, two results that cannot be merged, an ``--out_dir``
+#: that is a file. Anything else is a bug, with its traceback.
+EXIT_STATUS: dict[type[Exception], int] = {ValueError: 2, FileNotFoundError: 2}  # our readers' errors
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.check:
-            problems = check_results(args.results_dirs)
-            for problem in problems:
-                print(problem)
-            print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
-            return 1 if problems else 0
-        markdown, _ = write_report(args.results_dirs, args.out_dir)
-    except (ValueError, FileNotFoundError) as e:  # our messages: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """CLI entry; exit status ``EXIT_STATUS``."""
+    from diffusion_embedder import clihelp
+
+    args = build_parser().parse_args(argv)
+    return clihelp.run_command(lambda: _run(args), EXIT_STATUS)
+
+
+def _run(args) -> int:
+    from diffusion_embedder.clihelp import UsageError
+    from diffusion_embedder.files import folder_problem
+
+    if args.check:
+        problems = check_results(args.results_dirs)
+        for problem in problems:
+            print(problem)
+        print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
+        return 1 if problems else 0
+    problem = folder_problem(args.out_dir, "--out_dir")
+    if problem:  # before any result is read
+        raise UsageError(problem)
+    markdown, _ = write_report(args.results_dirs, args.out_dir)
     print(markdown)
     print(f"Wrote {args.out_dir}/report.md, report.csv and bar charts.")
     return 0

@@ -80,11 +80,8 @@ def training_rows(pack_length: int | str | None, encoder: nn.Module, simcse_drop
 
 
 def row_rules(values: dict[str, Any]) -> list[str]:
-    """``pack_length``'s one word, and varlen with SimCSE's attention dropout: refused before any model loads."""
+    """Varlen with SimCSE's attention dropout: refused before any model loads."""
     errors = []
-    pack_length = values.get("pack_length")
-    if isinstance(pack_length, str) and pack_length != "auto":
-        errors.append(f"pack_length: {pack_length!r} is not a number of tokens, 'auto' or null")
     if values.get("attn_implementation") == varlen.NAME and values.get("simcse_dropout"):
         errors.append(f"attn_implementation: 'varlen' has no attention dropout, and simcse_dropout is "
                       f"{values['simcse_dropout']}; use attn_implementation 'sdpa' for SimCSE (its two views differ by "

@@ -3,7 +3,7 @@
 Every field of every training stage (the ``StageSchema`` of each entry of ``training.stages.STAGES``) gets one block
 with a stable anchor (``#field-<name>``): its meaning, type, default, allowed values, the stages that take it and its
 other spellings. Our own fields come first, then the Hugging Face ``TrainingArguments`` fields we restrict (their
-rule is ours: ``schema.RANGES``, ``UNSUPPORTED``, ``TYPE_OVERRIDES``, ``WORDS``, ``HELP``, ``REQUIREMENTS``, each
+rule is ours: ``schema.RANGES``, ``UNSUPPORTED``, ``TYPE_OVERRIDES``, ``HELP``, ``REQUIREMENTS``, each
 stage's ``refused``, ``fsdp.py``'s and ``liger.py``'s tables), then the ones passed through as transformers defines
 them. A field added to the code appears here with no other edit; ``tests/test_docs.py`` checks that what a block
 says is what the validator does.
@@ -17,7 +17,6 @@ import json
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import Any
 
 #: Where the training stages' other spellings come from, for "also accepted as".
@@ -50,7 +49,7 @@ class FieldDoc:
     default: Any  # the value a run sees when the config leaves it out (REQUIRED: none)
     allowed: str = ""
     choices: tuple | None = None  # the allowed values, where they are a list
-    words: tuple = ()  # the strings a field typed wider than its choices takes (schema.WORDS)
+    words: tuple = ()  # the words a field also takes beside numbers or booleans (its type's Literal)
     stages: list[str] = field(default_factory=list)
     refused_by: dict[str, str] = field(default_factory=dict)  # stage -> why it refuses the field when set
     also: list[str] = field(default_factory=list)
@@ -61,16 +60,15 @@ class FieldDoc:
 
 def stage_schemas() -> dict[str, Any]:
     """``stage name -> StageSchema``: the one schema object each stage's module validates its config with."""
-    from diffusion_embedder.training.schema import StageSchema
-    from diffusion_embedder.training.stages import STAGES
+    from diffusion_embedder.training.schema import stage_schemas
 
-    schemas = {}
-    for name, stage in STAGES.items():
-        found = {id(v): v for v in vars(import_module(stage.module)).values() if isinstance(v, StageSchema)}
-        if len(found) != 1:
-            raise RuntimeError(f"stage {name!r}: expected one StageSchema in {stage.module}, found {len(found)}")
-        schemas[name] = next(iter(found.values()))
-    return schemas
+    return stage_schemas()
+
+
+def literal_words(tp: Any) -> tuple:
+    """The words a type takes beside its other kinds: the strings of its ``Literal`` (``int | Literal["auto"]``)."""
+    return tuple(word for arg in typing.get_args(tp) if typing.get_origin(arg) is typing.Literal
+                 for word in typing.get_args(arg) if isinstance(word, str))
 
 
 def _defining_class(cls: type, name: str) -> type:
@@ -154,20 +152,22 @@ FIELD_RULES: dict[str, Callable[[], str]] = {
 
 def _allowed(name: str, tp: Any, f: dataclasses.Field, ranges: dict[str, tuple]) -> tuple[str, tuple | None]:
     """The allowed values of a field as text, and as a list where they are one."""
-    from diffusion_embedder.training.schema import REQUIREMENTS, UNSUPPORTED, WORDS, _enum_choices
+    from diffusion_embedder.training.schema import REQUIREMENTS, UNSUPPORTED
+    from diffusion_embedder.values import enum_choices
 
     if name in UNSUPPORTED:
         allowed, _ = UNSUPPORTED[name]
         return f"only {code(allowed)}", (allowed,)
-    choices = f.metadata.get("choices") or _enum_choices(tp)
+    choices = f.metadata.get("choices") or enum_choices(tp)
+    words = literal_words(tp)
     parts = []
     if choices:
         parts.append("one of " + ", ".join(code(c) for c in choices))
-    if name in WORDS:
+    if words:
         args = typing.get_args(tp)
         kinds = (["`true`", "`false`"] if bool in args else []) + ([f"a number {_range_text(ranges[name])}"]
                                                                   if int in args and name in ranges else [])
-        parts.append(", ".join(kinds) + " or " + " or ".join(code(w) for w in WORDS[name]))
+        parts.append(", ".join(kinds) + " or " + " or ".join(code(w) for w in words))
     elif name in ranges:
         parts.append(_range_text(ranges[name]))
     if name == "max_steps":  # range_errors' own rule: -1 means "train num_train_epochs"
@@ -195,7 +195,7 @@ def _restricted_names(schemas: dict[str, Any]) -> set[str]:
     """The Hugging Face fields with a rule of ours (a range, a refusal, our meaning or our default)."""
     from diffusion_embedder.training import schema as s
 
-    names = set(s.RANGES) | set(s.UNSUPPORTED) | set(s.TYPE_OVERRIDES) | set(s.WORDS) | set(s.HELP)
+    names = set(s.RANGES) | set(s.UNSUPPORTED) | set(s.TYPE_OVERRIDES) | set(s.HELP)
     names |= set(s.TRAINING_DEFAULTS) | set(s.REQUIRED_TRAINING) | {n for n, _ in s.REQUIREMENTS} | set(FIELD_RULES)
     names |= {n for pair in s.TRANSFORMERS_RENAMES for n in pair} | {"max_steps"}
     for stage in schemas.values():
@@ -217,13 +217,12 @@ def config_fields() -> list[FieldDoc]:
         REQUIRED_TRAINING,
         TRAINING_DEFAULTS,
         UNSUPPORTED,
-        WORDS,
         argument_fields,
         default_of,
         field_aliases,
         field_table,
-        type_text,
     )
+    from diffusion_embedder.values import type_text
 
     schemas = stage_schemas()
     restricted = _restricted_names(schemas)
@@ -256,7 +255,7 @@ def config_fields() -> list[FieldDoc]:
                 shown = type(UNSUPPORTED[name][0]) if name in UNSUPPORTED else tp  # the one value's type
                 doc = docs[(owner, name)] = FieldDoc(
                     name, owner, section, type_text(shown), default, allowed, choices,
-                    words=WORDS.get(name, ()),
+                    words=literal_words(tp),
                     help=_first_sentences(help_) if hf and name not in HELP else " ".join(help_.split()),
                 )
                 if name in aliases and aliases[name] in table:
