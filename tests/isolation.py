@@ -57,6 +57,12 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
     return folder
 
 
+#: Variables torch sets for its own later use, once per process: inductor's compiled C++ code reads the first (it
+#: fails without it), the others configure inductor's builds and the profiler. Neither compared nor put back.
+LIBRARY_ENV = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK", "TORCH_WARM_POOL",
+                         "CUDA_HOME", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI"})
+#: pytest's own, set anew for each phase of each test.
+PYTEST_ENV = "PYTEST_CURRENT_TEST"
 #: (level, disabled, propagate) of a logger nothing has configured.
 _NEW_LOGGER = (logging.NOTSET, False, True)
 
@@ -76,7 +82,7 @@ def global_state() -> dict[str, object]:
     loggers = {name: state for name, state in loggers.items() if state != _NEW_LOGGER}  # a first import makes some
     return {
         "current directory": os.getcwd(),
-        "environment": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},  # pytest's, per phase
+        "environment": {k: v for k, v in os.environ.items() if k not in LIBRARY_ENV and k != PYTEST_ENV},
         "torch default dtype": torch.get_default_dtype(),
         "torch threads": torch.get_num_threads(),
         "grad mode": torch.is_grad_enabled(),
@@ -93,7 +99,7 @@ def _restore(before: dict[str, object]) -> None:
     import torch
 
     os.chdir(before["current directory"])
-    for name in set(os.environ) - set(before["environment"]) - {"PYTEST_CURRENT_TEST"}:
+    for name in set(os.environ) - set(before["environment"]) - LIBRARY_ENV - {PYTEST_ENV}:
         del os.environ[name]
     os.environ.update(before["environment"])
     torch.set_default_dtype(before["torch default dtype"])

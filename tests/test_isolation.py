@@ -126,6 +126,15 @@ def test_state_a_test_leaves_behind_fails_it_and_is_undone(tmp_path, monkeypatch
     assert "ISOLATION_PROBE" not in os.environ and torch.get_default_dtype() == dtype and os.getcwd() == cwd
 
 
+def test_what_torch_sets_for_itself_is_left_to_it(monkeypatch):
+    """Inductor sets a variable at its first C++ compilation and its compiled code reads it for the rest of the
+    process: taking it away would break every later compiled function."""
+    monkeypatch.delenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", raising=False)
+    with isolation.unchanged_global_state("this block"):
+        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = "123"
+    assert os.environ.pop("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR") == "123"
+
+
 def test_state_put_back_passes():
     with isolation.unchanged_global_state("this block"):
         torch.set_default_dtype(torch.float64)
