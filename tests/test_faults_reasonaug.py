@@ -9,11 +9,11 @@ import json
 import random
 import re
 import shutil
-import socket
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from isolation import reserved_port
 from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers
 
 from diffusion_embedder.reasonaug import cli, llm
@@ -223,15 +223,15 @@ def test_live_stage_without_api_key_stops_before_sending(tmp_path, monkeypatch, 
 
 @pytest.fixture
 def server_down(monkeypatch):
-    """OPENAI_BASE_URL pointing at a closed localhost port; retries without waiting."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    monkeypatch.setenv("OPENAI_BASE_URL", url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
-    monkeypatch.setattr(llm.ChatClient, "backoff", lambda self, attempt, headers=None: 0.0)
-    return url
+    """OPENAI_BASE_URL pointing at a localhost port held closed for the test (no other program can open a server
+    there meanwhile); retries without waiting."""
+    with reserved_port() as port:
+        url = f"http://127.0.0.1:{port}/v1"
+        monkeypatch.setenv("OPENAI_BASE_URL", url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+        monkeypatch.setattr(llm.ChatClient, "backoff", lambda self, attempt, headers=None: 0.0)
+        yield url
 
 
 def load_builder():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from conftest import LLAMA_FIXTURE, ROOT  # noqa: E402
+from isolation import reserved_port  # noqa: E402
 
 from diffusion_embedder import distributed  # noqa: E402
 from diffusion_embedder.evaluation import run, sharding  # noqa: E402
@@ -51,22 +51,21 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 300) -> su
 
 
 def two_nodes(script: Path, *args: str, timeout: int = 300) -> list[tuple[int, str]]:
-    """Two torchrun "nodes" of one process each, started together, meeting by c10d rendezvous on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=sharded-eval-test",
-         str(script), *args],
-        cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    ) for node in (0, 1)]
-    try:
-        return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    """Two torchrun "nodes" of one process each, started together, meeting by c10d rendezvous on 127.0.0.1 (a port
+    held for them until they finish)."""
+    with reserved_port() as port:
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=sharded-eval-test",
+             str(script), *args],
+            cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ) for node in (0, 1)]
+        try:
+            return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
 
 def scores(out: Path) -> dict:
