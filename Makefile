@@ -14,12 +14,17 @@ $(STAMP): requirements.txt pyproject.toml
 
 install: $(STAMP)
 
+# The suite on PYTEST_WORKERS pytest-xdist workers (CI's 2 cores: 2; each worker on its share of the threads, see
+# tests/conftest.py), idle workers taking tests from busy ones; the 15 slowest tests are printed at the end.
+# One file serially: $(PY) -m pytest -p no:xdist tests/test_x.py (docs/development.md).
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=15
 
 # The GPU checks (tests marked gpu; they skip without CUDA). On a GPU machine without our venv, use
-# bench/gpu.sh, which checks the versions and also runs the 7B benchmarks.
+# bench/gpu_run.sh, which checks the versions and also runs the 7B benchmarks and the training checks.
 test-gpu:
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -m gpu
 

@@ -1,29 +1,31 @@
 """Smoke run of the real training entry points on one GPU: ``torchrun --nproc_per_node 1`` of the
-supervised stage and of the masked-diffusion (MDM) LM stage on a random checkpoint saved locally.
+supervised stage and of the masked-diffusion (MDM) LM stage on a random checkpoint saved locally
+(part (d) of ``bench/gpu_run.sh``).
 
     python bench/gpu_smoke_train.py --out DIR              # GPU: Qwen2.5-1.5B shape (Dream format), bf16
-    python bench/gpu_smoke_train.py --out DIR --dry-run    # CPU: tiny shape, float32 (what the test runs)
+    python bench/gpu_smoke_train.py --out DIR --dry-run    # CPU: tiny shape, float32
+    python bench/gpu_smoke_train.py --out DIR --parts checks --jsonl OUT/smoke.jsonl   # what gpu_run.sh runs
 
-What runs (every run is a real ``experiments/run_*.py`` under torchrun, from a JSON config), cheapest first,
-within a time budget (``Plan.budget``: 3 minutes on a GPU; each run's timeout is what is left of it):
+Every run is a real ``experiments/run_*.py`` under torchrun, from a JSON config, within a time budget
+(``Plan.budget``: each run's timeout is what is left of it). ``--parts`` picks:
 
-1. random checkpoints in the Dream layout (Qwen2 weights as safetensors, Dream's config.json with its mask token,
-   the Dream fixture's tokenizer): the checks' shape (4 layers of width 256 on a GPU: their runs cost their
-   start-up, about 12 s each) and the timed shape (Qwen2.5-1.5B),
-   and local JSONL data (triples: queries of 16-64 tokens, passages of 128-400; plain text for the LM stage);
-2. the NaN guard (checks' shape): learning rate 1e20 (warmup 2, a checkpoint every step) must stop with exit
-   status 1 and name checkpoint-1 as the last finite one, which must be complete and finite;
-3. the MDM stage (checks' shape; LoRA, LM head, bf16, activation checkpointing), with a checkpoint;
-4. resume (checks' shape, GradCache, LoRA dropout 0.1): an uninterrupted run, then a run stopped at its first
-   checkpoint (``stop_after_n_steps``) and resumed with ``--resume_from_checkpoint last``; the resumed run's
-   final LoRA weights are compared with the uninterrupted run's: bit for bit, or, where two uninterrupted runs
-   differ (the kernels' own nondeterminism, measured by a second one), within 3x their difference;
-5. supervised at the timed shape, bf16 weights and autocast, activation checkpointing, LoRA dropout 0.1:
-   GradCache (``chunk`` texts per chunk) and direct, their seconds per step and the ratio.
+- ``checks``, on a small shape (4 layers of width 256 on a GPU: a run costs its start-up, about 12 s), in three
+  lanes at once (``--lanes``): the NaN guard (learning rate 1e20, warmup 2, a checkpoint every step: exit status
+  1 naming checkpoint-1 as the last finite one, which must be complete and finite), then the MDM stage (LoRA, LM
+  head, bf16, activation checkpointing, a checkpoint); an uninterrupted GradCache run (LoRA dropout 0.1), then the
+  same without GradCache; and the GradCache run stopped at its first checkpoint (``stop_after_n_steps``) and
+  resumed with ``--resume_from_checkpoint last``. The resumed run's final LoRA weights must be the uninterrupted
+  run's bit for bit, or, where two uninterrupted runs differ (the kernels' own nondeterminism, measured by a second
+  one), within 3x their difference;
+- ``timed``: supervised at the Qwen2.5-1.5B shape, bf16 weights and autocast, activation checkpointing, LoRA
+  dropout 0.1: GradCache (``chunk`` texts per chunk) and direct, their seconds per step and the ratio.
 
-Every figure and verdict is appended to ``DIR/results.jsonl`` and ``DIR/summary.md`` as it is known;
-each run's log is in ``DIR/logs``. The exit status is 0 only if every verdict passed. Nothing here
-needs ``datasets``, ``mteb``, ``bm25s`` or flash-attn (the environment record says which are present).
+Random checkpoints are in the Dream layout (Qwen2 weights as safetensors, Dream's config.json with its mask token,
+the Dream fixture's tokenizer), the data local JSONL (triples: queries of 16-64 tokens, passages of 128-400;
+plain text for the LM stage). Every figure and verdict is appended to ``DIR/results.jsonl`` (and ``--jsonl``) and
+``DIR/summary.md`` as it is known; each run's log is in ``DIR/logs``, and a failed check prints the end of its
+runs' logs. The exit status is 0 only if every verdict passed. Nothing here needs ``datasets``, ``mteb``,
+``bm25s`` or flash-attn (the environment record says which are present).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,26 +83,35 @@ DRY = Plan("tiny", "tiny", None, False, 4, 2, (8, 16), (16, 48), 4, 32, 4, 2, 30
 
 
 class Report:
-    """Appends each figure and verdict to results.jsonl and rewrites summary.md, as it goes."""
+    """Appends each figure and verdict to results.jsonl (and ``jsonl``) and rewrites summary.md, as it goes; a
+    failed check prints the end of its runs' logs."""
 
-    def __init__(self, out: Path):
-        self.out = out
+    def __init__(self, out: Path, jsonl: Path | None = None):
+        self.out, self.jsonl = out, jsonl
         self.rows: list[dict] = []
+        self.lock = threading.Lock()  # checks run in lanes at once
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.jsonl").write_text("")
 
     def add(self, check: str, ok: bool | None, **figures) -> bool:
         row = {"check": check, "verdict": {True: "pass", False: "FAIL", None: "info"}[ok], **figures}
-        self.rows.append(row)
-        with open(self.out / "results.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        lines = ["# Training smoke run (bench/gpu_smoke_train.py)", "", "| check | verdict | figures |"]
-        lines.append("|---|---|---|")
-        for r in self.rows:
-            figures = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("check", "verdict"))
-            lines.append(f"| {r['check']} | {r['verdict']} | {figures} |")
-        (self.out / "summary.md").write_text("\n".join(lines) + "\n")
-        print(f"[smoke] {check}: {row['verdict']} {json.dumps(figures)}", flush=True)
+        with self.lock:
+            self.rows.append(row)
+            for path in (self.out / "results.jsonl", self.jsonl):
+                if path is not None:
+                    with open(path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(row) + "\n")
+            lines = ["# Training smoke run (bench/gpu_smoke_train.py)", "", "| check | verdict | figures |"]
+            lines.append("|---|---|---|")
+            for r in self.rows:
+                figures_text = "; ".join(f"{k}: {v}" for k, v in r.items() if k not in ("check", "verdict"))
+                lines.append(f"| {r['check']} | {r['verdict']} | {figures_text} |")
+            (self.out / "summary.md").write_text("\n".join(lines) + "\n")
+            print(f"[smoke] {check}: {row['verdict']} {json.dumps(figures)}", flush=True)
+            if ok is False:
+                for log in logs_of(figures):
+                    tail = (self.out / log).read_text(errors="replace").splitlines()[-40:]
+                    print(f"[smoke] end of {log}:\n" + "\n".join(tail), flush=True)
         return ok is not False
 
     @property
@@ -106,16 +119,24 @@ class Report:
         return all(r["verdict"] != "FAIL" for r in self.rows)
 
 
+def logs_of(figures: dict) -> list[str]:
+    """The run logs named in a check's figures (a run's own, or those of the runs it holds)."""
+    found = [figures["log"]] if isinstance(figures.get("log"), str) else []
+    for value in figures.values():
+        if isinstance(value, dict):
+            found += logs_of(value)
+    return found
+
+
 def environment(device: str) -> dict:
-    import accelerate
-    import peft
+    from importlib import metadata
+
     import torch
-    import transformers
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     present = [m for m in OPTIONAL if importlib.util.find_spec(m) is not None]
-    return dict(device=name, torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
-                accelerate=accelerate.__version__, optional_present=present or "none")  # fmt: skip
+    versions = {m: metadata.version(m) for m in ("transformers", "peft", "accelerate")}  # without importing them
+    return dict(device=name, torch=torch.__version__, **versions, optional_present=present or "none")
 
 
 def make_checkpoint(folder: Path, plan: Plan, shape: str, device: str) -> dict:
@@ -246,12 +267,17 @@ def torchrun(out: Path, log_name: str, script: str, config: Path, timeout: int, 
     (out / "logs").mkdir(exist_ok=True)
     log = out / "logs" / f"{log_name}.log"
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
-        code, text = "timeout", f"{err.stdout or ''}{err.stderr or ''}"
-    log.write_text(" ".join(command) + "\n\n" + (text if isinstance(text, str) else text.decode()))
+    for attempt in range(2):  # runs in lanes at once: a rendezvous port taken by another gets one more try
+        try:
+            done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                                  timeout=max(1, timeout - (time.perf_counter() - start)))  # fmt: skip
+            code, text = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as err:
+            code, text = "timeout", "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                                            for x in (err.stdout, err.stderr))  # fmt: skip
+        if code == 0 or attempt or "address already in use" not in text.lower():
+            break
+    log.write_text(" ".join(command) + "\n\n" + text)
     return dict(exit=code, seconds=round(time.perf_counter() - start, 1), log=str(log.relative_to(out)))
 
 
@@ -358,20 +384,45 @@ def mdm_stage(out: Path, plan: Plan, report: Report, lm: Path, clock: Clock) -> 
                **result, **figures, adapter_saved=adapter)  # fmt: skip
 
 
-def resume(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
-    runs, half = out / "runs", str(plan.steps // 2)
+def reference_run(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
     ref = torchrun(out, "ref", "run_supervised.py", supervised, clock.timeout(), "--experiment_id", "ref", *gc)
-    figures = run_figures(runs / "ref")
+    figures = run_figures(out / "runs" / "ref")
     report.add("supervised, uninterrupted (the resume's reference)", trained_ok(ref, figures, plan.steps),
                **ref, **figures)  # fmt: skip
+
+
+def direct_run(out: Path, plan: Plan, report: Report, supervised: Path, clock: Clock) -> None:
+    """The supervised stage without GradCache (the reference run has it)."""
+    result = torchrun(out, "direct_small", "run_supervised.py", supervised, clock.timeout(), "--experiment_id",
+                      "direct_small")  # fmt: skip
+    figures = run_figures(out / "runs" / "direct_small")
+    report.add("supervised, direct (checks' shape)", trained_ok(result, figures, plan.steps), **result, **figures)
+
+
+def stop_and_resume(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str], clock: Clock) -> None:
     again = ["--experiment_id", "resume", *gc]
     stopped = torchrun(out, "stopped", "run_supervised.py", supervised, clock.timeout(), *again,
-                       "--stop_after_n_steps", half)  # fmt: skip
+                       "--stop_after_n_steps", str(plan.steps // 2))  # fmt: skip
     resumed = torchrun(out, "resumed", "run_supervised.py", supervised, clock.timeout(), *again,
                        "--resume_from_checkpoint", "last")  # fmt: skip
-    figures = run_figures(runs / "resume")
+    figures = run_figures(out / "runs" / "resume")
     report.add("supervised, stopped then resumed", trained_ok(resumed, figures, plan.steps) and stopped["exit"] == 0,
                stopped=stopped, resumed=resumed, **figures)  # fmt: skip
+
+
+def checks(out: Path, plan: Plan, report: Report, supervised: Path, lm: Path, gc: list[str], clock: Clock,
+           lanes: int) -> None:
+    """The NaN guard then the MDM stage, the uninterrupted GradCache run then a direct one, and the stopped-and-resumed
+    run, in up to ``lanes`` lanes at once (each run is mostly its start-up); then whether the resume continued
+    exactly."""
+    work = [[lambda: nan_guard(out, report, supervised, gc, clock), lambda: mdm_stage(out, plan, report, lm, clock)],
+            [lambda: reference_run(out, plan, report, supervised, gc, clock),
+             lambda: direct_run(out, plan, report, supervised, clock)],
+            [lambda: stop_and_resume(out, plan, report, supervised, gc, clock)]]  # fmt: skip
+    groups = [[step for lane in work[i::lanes] for step in lane] for i in range(min(lanes, len(work)))]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        for done in [pool.submit(lambda steps: [step() for step in steps], group) for group in groups]:
+            done.result()
     try:
         verdict = resume_verdict(out, plan, supervised, gc, clock)
     except FileNotFoundError as err:
@@ -395,28 +446,27 @@ def timed(out: Path, plan: Plan, report: Report, supervised: Path, gc: list[str]
                    note="includes each run's first step (warm-up) and its checkpoint writes")  # fmt: skip
 
 
-def smoke(out: Path, plan: Plan, device: str) -> bool:
-    report = Report(out)
+def smoke(out: Path, plan: Plan, device: str, parts: list[str], lanes: int = 3, jsonl: Path | None = None) -> bool:
+    report = Report(out, jsonl)
     clock = Clock(plan)
-    report.add("environment", None, **environment(device), budget_s=plan.budget)
+    report.add("environment", None, **environment(device), budget_s=plan.budget, parts=parts)
     gc = ["--grad_cache_chunk_size", str(plan.chunk)]
-    shapes = {"checks": plan.checks, "timed": plan.shape}
+    shapes = {role: shape for role, shape in (("checks", plan.checks), ("timed", plan.shape))
+              if role in parts}  # fmt: skip
     made: dict[str, Path] = {}
     for role, shape in shapes.items():
-        if shape in {s for r, s in shapes.items() if r in made}:
-            made[role] = made["checks"]
-            continue
-        made[role] = out / f"model_{shape}"
-        report.add(f"random checkpoint {shape} (Dream layout, safetensors)", None,
-                   **make_checkpoint(made[role], plan, shape, device))  # fmt: skip
-    report.add("local JSONL data", None, **make_data(out / "data", plan, made["checks"]))
-    supervised, lm = configs(out, plan, made["checks"], "checks")
-    timed_supervised, _ = configs(out, plan, made["timed"], "timed")
-
-    nan_guard(out, report, supervised, gc, clock)
-    mdm_stage(out, plan, report, lm, clock)
-    resume(out, plan, report, supervised, gc, clock)
-    timed(out, plan, report, timed_supervised, gc, clock)
+        same = next((path for r, path in made.items() if shapes[r] == shape), None)
+        made[role] = same or out / f"model_{shape}"
+        if same is None:
+            report.add(f"random checkpoint {shape} (Dream layout, safetensors)", None,
+                       **make_checkpoint(made[role], plan, shape, device))  # fmt: skip
+    report.add("local JSONL data", None, **make_data(out / "data", plan, next(iter(made.values()))))
+    if "checks" in parts:
+        supervised, lm = configs(out, plan, made["checks"], "checks")
+        checks(out, plan, report, supervised, lm, gc, clock, lanes)
+    if "timed" in parts:
+        timed_supervised, _ = configs(out, plan, made["timed"], "timed")
+        timed(out, plan, report, timed_supervised, gc, clock)
     report.add("total", clock.elapsed() <= plan.budget, seconds=clock.elapsed(), budget_s=plan.budget)
     return report.passed
 
@@ -425,6 +475,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for the model, data, runs, logs and results")
     parser.add_argument("--dry-run", action="store_true", help="tiny shape, float32, on the CPU")
+    parser.add_argument("--parts", nargs="+", choices=["checks", "timed"], default=["checks", "timed"])
+    parser.add_argument("--lanes", type=int, default=3, help="check runs at once (1: one after the other)")
+    parser.add_argument("--jsonl", type=Path, default=None, help="also append every row to this file")
+    parser.add_argument("--budget", type=int, default=None, help="seconds for the whole smoke run (the plan's)")
     args = parser.parse_args()
     import torch
 
@@ -432,7 +486,9 @@ def main() -> None:
         sys.exit("No CUDA device: run with --dry-run on a CPU.")
     if args.out.exists() and any(args.out.iterdir()):
         sys.exit(f"{args.out} is not empty: give a new folder.")
-    ok = smoke(args.out.resolve(), DRY if args.dry_run else GPU, "cpu" if args.dry_run else "cuda")
+    plan = DRY if args.dry_run else GPU
+    plan = dataclasses.replace(plan, budget=args.budget) if args.budget else plan
+    ok = smoke(args.out.resolve(), plan, "cpu" if args.dry_run else "cuda", args.parts, args.lanes, args.jsonl)
     sys.exit(0 if ok else 1)
 
 

@@ -15,7 +15,7 @@ in float32 eps). A GradCache bug shows as a norm-relative difference far above t
 from float64; a reduction-order difference sits at the direct step's level.
 
     python bench/grad_cache_numerics.py --out DIR            # CUDA
-    python bench/grad_cache_numerics.py --out DIR --dry-run  # CPU (what the GPU script's dry run runs)
+    python bench/grad_cache_numerics.py --out DIR --dry-run  # CPU
 """
 
 from __future__ import annotations

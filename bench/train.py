@@ -128,7 +128,7 @@ class StepConfig:
 
 
 GPU_CONFIGS = {
-    "padded, ckpt, direct": StepConfig(False, True, False),  # the issue's hand-written step: 4.1k tokens/s (H200)
+    "padded, ckpt, direct": StepConfig(False, True, False),  # a hand-written step measured 4.1k tokens/s (H200)
     "packed, ckpt, direct": StepConfig(True, True, False),  # issue: 5.2k tokens/s
     "padded, direct": StepConfig(False, False, False),
     "packed, direct": StepConfig(True, False, False),
@@ -139,7 +139,7 @@ GPU_CONFIGS = {
     "packed, GradCache, large": StepConfig(True, False, True, large=True),
 }
 QUICK = ["padded, ckpt, direct", "packed, ckpt, direct", "packed, GradCache", "packed, GradCache, large"]
-#: Issue 26's fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
+#: The fast paths (``--speed``): the checkpointing policy, Liger Kernel and regional compilation, alone and
 #: together, beside "packed, ckpt, direct".
 SPEED_CONFIGS = {  # packed rows on varlen: what the supervised stage trains on with CUDA (pack_length "auto")
     "packed, varlen, ckpt, direct": StepConfig(True, True, False, varlen=True),
@@ -318,7 +318,8 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
             lines.append(f"| {r['config']} | | | | not run: {r['not_run']} | | | | |")
             continue
         if "error" in r:
-            lines.append(f"| {r['config']} | | | | failed: {r['error']} | | | | |")
+            said = r["error"] if r["error"].startswith("not run") else f"failed: {r['error']}"
+            lines.append(f"| {r['config']} | | | | {said} | | | | |")
             continue
         lines.append(f"| {r['config']} | {r['triples']} | {r['real_tokens']} | {r['padding_efficiency']:.3f} | "
                      f"{r['s_per_step']:.3f} | {r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | "
@@ -339,9 +340,9 @@ def gpu_report(rows: list[dict], plan: GpuPlan, command: str) -> str:
     header = [f"Command: `{command}`; device: {device}; measured {plan.dtype} matmul peak {peak:.3g} TFLOP/s "
               f"({plan.matmul}^3); shape {plan.shape}; LoRA r 16 on all seven projections; {plan.chunk} texts per "
               "GradCache chunk; MFU counts forward + backward to the inputs only; syncs: synchronising calls in one "
-              "step (torch.cuda.set_sync_debug_mode), their call sites in the JSON rows above. The issue's figures "
-              "count the recomputed forward too (39 GFLOP/token at 7B): its 20%/26% and its 50% goal are 1.5x this "
-              "MFU; tokens/s compare directly.", ""]  # fmt: skip
+              "step (torch.cuda.set_sync_debug_mode on CUDA, diffusion_embedder.host_syncs on a CPU), their call "
+              "sites in the JSON rows. An MFU that counts the recomputed forward too (39 GFLOP/token at 7B) is 1.5x "
+              "this one; tokens/s compare directly.", ""]  # fmt: skip
     return "\n".join(header + lines + [""] + notes) + "\n"
 
 
@@ -400,8 +401,11 @@ def gpu_main(args: argparse.Namespace) -> None:
         if args.out:
             args.out.write_text(report)
             args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
     print(report)
-    if any("error" in r for r in rows) and args.dry_run:
+    if any("error" in r for r in rows):
         sys.exit(1)
 
 
@@ -423,6 +427,8 @@ def main() -> None:
                         help="GPU mode: these configurations (repeat the flag), in this order")
     parser.add_argument("--budget", type=float, default=None,
                         help="GPU mode: seconds for all rows; a row may take what is left, later ones are not run")
+    parser.add_argument("--jsonl", type=Path, default=None,
+                        help="GPU mode: append each row to this file as soon as it is measured")
     parser.add_argument("--gpu-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpu_worker:

@@ -20,6 +20,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -39,6 +40,7 @@ from diffusion_embedder import varlen  # registers attn_implementation="varlen" 
 from diffusion_embedder.dtypes import resolve_dtype
 from diffusion_embedder.files import find_file, hub_kwargs_of, read_json_object
 from diffusion_embedder.release_configs import LLADA_KEY_MAPPING, BackboneConfigError, dream_config, llada_config
+from diffusion_embedder.values import checked
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +265,7 @@ def _own_load_report():
         target.removeFilter(report_filter)
 
 
+@checked
 def load_backbone(
     name_or_path: str,
     enable_bidirectional: bool = True,
@@ -270,20 +273,29 @@ def load_backbone(
     attn_implementation: str | None = None,
     device_map: str | dict | None = None,
     lm_head: bool = False,
-    **kwargs,
+    **kwargs: Any,
 ) -> PreTrainedModel:
     """Load a supported decoder as an encoder trunk whose forward returns ``last_hidden_state``
     (with ``lm_head``: the ``*ForCausalLM`` model, whose forward returns logits; the LM stages).
 
     ``torch_dtype=None`` loads float32 (predictable on CPU); pass ``torch.bfloat16`` or ``"auto"`` on GPU.
-    Extra ``kwargs`` go to ``from_pretrained`` (``revision``, ``token``, ``attention_dropout``...).
 
-    :param name_or_path: hub name or folder of a supported model type.
-    :param enable_bidirectional: set ``config.is_causal = False`` (checked by the attention self-test).
-    :param torch_dtype: as for ``Encoder.from_pretrained``.
-    :param attn_implementation: transformers' attention kernel; None: its default for the model type.
-    :param device_map: accelerate's device map, passed to ``from_pretrained``.
-    :param lm_head: load the ``*ForCausalLM`` model (the LM stages).
+    Args:
+        name_or_path: A hub name or folder of a supported model type.
+        enable_bidirectional: Set ``config.is_causal = False`` (checked by the attention self-test).
+        torch_dtype: As for ``Encoder.from_pretrained``.
+        attn_implementation: transformers' attention kernel; None: its default for the model type.
+        device_map: accelerate's device map, passed to ``from_pretrained``.
+        lm_head: Load the ``*ForCausalLM`` model (the LM stages).
+        **kwargs: Passed to ``from_pretrained`` (``revision``, ``token``, ``attention_dropout``, ...).
+
+    Returns:
+        The transformers model itself.
+
+    Raises:
+        FileNotFoundError: A folder without ``config.json`` or a weights file its index names.
+        ValueError: A model type outside the supported table (the error lists those it holds).
+        AttentionSelfTestError: The loaded model does not attend as asked.
     """
     if kwargs.get("trust_remote_code"):
         raise ValueError("trust_remote_code is never used: every supported backbone runs on transformers' own code.")

@@ -5,15 +5,27 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import sys
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 PROG = "diffusion-embedder"
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given (a missing or conflicting flag, a value out of range, a folder that is
+    a file, a device this machine lacks), found before any model loads or any file is written."""
 
 
 def prog(command: str) -> str:
     """The usage-line name of a subcommand, e.g. ``diffusion-embedder eval``."""
     return f"{PROG} {command}"
+
+
+def config_usage(command: str) -> str:
+    """A training command's usage: one process, or torchrun's processes each running the installed command."""
+    args = "CONFIG.json [--key value ...]"
+    return f"usage: {prog(command)} {args}\n   or: torchrun --nproc_per_node=N --no-python {prog(command)} {args}"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -63,3 +75,13 @@ def exit_status(error: BaseException, statuses: Mapping[type[BaseException], int
     """The exit status of an error in our words: that of the first kind in ``statuses`` it is one of. The commands
     report such an error as its message alone; None means a bug, which keeps its traceback."""
     return next((status for kind, status in statuses.items() if isinstance(error, kind)), None)
+
+
+def run_command(run: Callable[[], int], statuses: Mapping[type[BaseException], int]) -> int:
+    """A command's exit status: ``run()``'s, or for an error in our words (a kind in ``statuses``) its status, the
+    message alone printed as ``error: ...`` on stderr. Anything else is a bug and keeps its traceback."""
+    try:
+        return run()
+    except tuple(statuses) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return exit_status(error, statuses)

@@ -8,14 +8,13 @@ The training config's model fields and the evaluation CLI's flags are derived fr
 from __future__ import annotations
 
 import dataclasses
-import enum
-import types
 import typing
 from dataclasses import dataclass, field
 
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.pooling import POOLING_MODES
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
+from diffusion_embedder.values import AT_LEAST_ONE, OptionError, choice_problem, problem, range_problem
 
 ENCODER_CONFIG = "encoder_config.json"
 LLM2VEC_CONFIG = "llm2vec_config.json"
@@ -132,76 +131,35 @@ def field_types() -> dict[str, typing.Any]:
     return typing.get_type_hints(EncoderConfig)
 
 
-def describe_type(tp: typing.Any) -> str:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(describe_type(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) in (tuple, list):
-        return "list of strings"
-    return getattr(tp, "__name__", str(tp))
-
-
-def matches_type(value: typing.Any, tp: typing.Any) -> bool:
-    """Whether a (JSON) value fits a dataclass field type: bool is not an int, an int is a float, a list fits a
-    tuple; a type this cannot judge (a library's own object) is left to that library."""
-    if tp is typing.Any:
-        return True
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(matches_type(value, a) for a in args)
-    if origin is typing.Literal:
-        return value in args
-    if tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return isinstance(value, tp) or value in {m.value for m in tp}
-    if origin in (tuple, list) or tp in (tuple, list):
-        return isinstance(value, list | tuple) and (not args or all(matches_type(v, args[0]) for v in value))
-    if origin is dict or tp is dict:
-        return isinstance(value, dict) and (
-            not args or all(matches_type(k, args[0]) and matches_type(v, args[1]) for k, v in value.items())
-        )
-    return True
-
-
 def check_values(values: dict, source: str) -> dict:
-    """Every problem of ``values`` (unknown key, wrong type, bad value) in one ValueError naming ``source``."""
+    """Every problem of ``values`` (unknown key, wrong type, bad value) in one ``OptionError`` naming ``source``."""
     if not isinstance(values, dict):
-        raise ValueError(f"{source}: expected a JSON object of settings, got {type(values).__name__}.")
+        raise OptionError(f"{source}: expected a JSON object of settings, got {type(values).__name__}.")
     known, hints = _fields(), field_types()
     errors = []
     for key, value in values.items():
         if key not in known:
             errors.append(f"unknown setting {key!r} (known: {', '.join(known)})")
-        elif not matches_type(value, hints[key]):
-            errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {describe_type(hints[key])}")
         else:
-            problem = value_problem(key, value)
-            if problem:
-                errors.append(problem)
+            found = problem(key, value, hints[key]) or value_problem(key, value)
+            if found:
+                errors.append(found)
     if errors:
-        raise ValueError(f"Invalid {source}:\n  - " + "\n  - ".join(errors))
+        raise OptionError(f"Invalid {source}:\n  - " + "\n  - ".join(errors))
     return values
 
 
+#: The settings that count something: each at least 1.
+COUNTS = ("max_length", "doc_max_length", "mask_readout_tokens", "latent_num_latents", "latent_num_heads")
+
+
 def value_problem(key: str, value: typing.Any) -> str | None:
-    """Why ``value`` cannot be used for setting ``key`` (None when it can)."""
-    choices = _fields()[key].metadata.get("choices")
-    if choices and value not in choices:
-        return f"{key}: {value!r} is not one of {list(choices)}"
-    if key in ("max_length", "doc_max_length", "mask_readout_tokens", "latent_num_latents", "latent_num_heads") and (
-        value < 1
-    ):
-        return f"{key}: must be >= 1, got {value}"
+    """Why ``value`` (of the setting's type) cannot be used for setting ``key`` (None when it can)."""
+    found = choice_problem(key, value, _fields()[key].metadata.get("choices")) or range_problem(
+        key, value, AT_LEAST_ONE if key in COUNTS else None
+    )
+    if found:
+        return found
     if key == "prompt_template" and value is not None and value.count("{text}") != 1:
         return (
             f"prompt_template: {value!r} must contain {{text}} exactly once (it holds the input text); "

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffusion_embedder.values import choice_problem
+
 #: ``torch_dtype`` names accepted everywhere; "auto" keeps the checkpoint's dtype.
 TORCH_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "float32")
 
 
 def resolve_dtype(value: Any) -> Any:
     """None is float32 (predictable on CPU); a name from ``TORCH_DTYPES`` or a floating ``torch.dtype`` is kept;
-    anything else is a ValueError listing the choices."""
+    anything else is a ValueError listing the choices (a name, in the words of every other choice's refusal)."""
     import torch
 
     if value is None:
@@ -22,6 +24,6 @@ def resolve_dtype(value: Any) -> Any:
         return value
     if isinstance(value, str) and value in TORCH_DTYPES:
         return value if value == "auto" else getattr(torch, value)
-    raise ValueError(
-        f"Invalid torch_dtype {value!r}; choose one of {', '.join(TORCH_DTYPES)} (or a floating torch.dtype)."
-    )
+    if isinstance(value, str):  # a name, as a config or a command line gives it
+        raise ValueError(choice_problem("torch_dtype", value, TORCH_DTYPES))
+    raise ValueError(f"torch_dtype: {value!r} is neither a floating torch.dtype nor one of {list(TORCH_DTYPES)}")

@@ -9,7 +9,7 @@ module given the encoder (or its class) rather than importing it: ``loading`` (`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -17,45 +17,34 @@ from torch import nn
 
 from diffusion_embedder import backbones, folders, inference, loading, tokenization
 from diffusion_embedder import packing as packing_mod
-from diffusion_embedder.config import EncoderConfig, resolve_config
+from diffusion_embedder.compat import EncoderCompat
+from diffusion_embedder.config import SETTING_NAMES, EncoderConfig, check_values, resolve_config
 from diffusion_embedder.export import export
-from diffusion_embedder.pooling import LatentAttentionPooling, pool
-from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, check_similarity_fn_name
+from diffusion_embedder.pooling import LatentAttentionPooling, pool_features
+from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
 from diffusion_embedder.templates import (
-    SEPARATOR,
-    PreparedText,
     TextInput,
     eos_suffix_for,
     left_padded,
-    parse_input,
     parse_inputs,
-    render,
 )
 from diffusion_embedder.tokenization import Tokenized
+from diffusion_embedder.values import checked
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from diffusion_embedder.multiprocess import DevicePool
 
 
-def _config_attribute(name: str) -> tuple:
-    """LLM2Vec's attribute ``name``: reads ``config``; setting it installs a validated copy of ``config``."""
+class Encoder(EncoderCompat, nn.Module):
+    """Text encoder over a (bidirectional) decoder LM (= ``LLM2Vec``); public keywords checked (``values.checked``)."""
 
-    def get(self):
-        return getattr(self.config, name)
-
-    def set_(self, value):
-        self._set_config(self.config.replace(**{name: value}))
-
-    return get, set_, None, f"LLM2Vec's ``{name}``: ``config.{name}``."
-
-
-class Encoder(nn.Module):
-    """Text encoder over a (bidirectional) decoder LM. ``LLM2Vec`` is the same class."""
-
+    @checked(leave=SETTING_NAMES)
     def __init__(
         self,
         model: nn.Module,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         pooling_mode: str | EncoderConfig | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
@@ -63,12 +52,27 @@ class Encoder(nn.Module):
         *,
         config: EncoderConfig | None = None,
         latent: LatentAttentionPooling | None = None,
-        **settings,
+        **settings: Any,
     ):
-        """LLM2Vec's order, ``LLM2Vec(model, tokenizer, "mean", 512, 400, True)``: the backbone ``model``, its
-        ``tokenizer``, ``pooling_mode``, ``max_length``, ``doc_max_length``, ``skip_instruction``. ``config`` (an
-        ``EncoderConfig``, also accepted third and alone) holds every setting, which keyword settings replace;
-        ``latent`` is a trained latent-attention head (built fresh when None)."""
+        """Wrap a loaded backbone, in LLM2Vec's argument order: ``LLM2Vec(model, tokenizer, "mean", 512, 400, True)``.
+
+        Most code loads with ``from_pretrained`` instead.
+
+        Args:
+            model: The backbone (a transformers model whose forward returns ``last_hidden_state``).
+            tokenizer: Its tokenizer; a copy padded on the left is used where it pads on the right.
+            pooling_mode: How token states become one vector, or an ``EncoderConfig`` holding every setting.
+            max_length: Tokens per input, instruction and template included.
+            doc_max_length: Tokens of the text itself kept at ``encode`` time.
+            skip_instruction: Pool over the text only, not the instruction's tokens.
+            config: Every setting at once; the keyword settings replace its values.
+            latent: A trained latent-attention head (``latent_attention`` pooling); None builds a fresh one.
+            **settings: Other ``EncoderConfig`` settings by name.
+
+        Raises:
+            TypeError: An ``EncoderConfig`` given third together with other settings.
+            ValueError: A setting outside its rule, or ``mask_token`` pooling on a backbone without a mask token.
+        """
         super().__init__()
         if isinstance(pooling_mode, EncoderConfig):
             if config is not None or (max_length, doc_max_length, skip_instruction) != (None, None, None):
@@ -79,6 +83,7 @@ class Encoder(nn.Module):
             skip_instruction=skip_instruction,
         )
         settings = {**{k: v for k, v in positional.items() if v is not None}, **settings}
+        check_values(settings, "encoder settings")  # each by its own definition, before the model is looked at
         self.model = model
         self.tokenizer = left_padded(tokenizer)  # a copy where the caller's lacks LLM2Vec's padding
         if config is None:
@@ -110,13 +115,9 @@ class Encoder(nn.Module):
             ).to(self.device)
         self.config = config
 
-    pooling_mode = property(*_config_attribute("pooling_mode"))
-    max_length = property(*_config_attribute("max_length"))
-    doc_max_length = property(*_config_attribute("doc_max_length"))
-    skip_instruction = property(*_config_attribute("skip_instruction"))
-
     # ------------------------------------------------------------------ loading
     @classmethod
+    @checked(leave=SETTING_NAMES)
     def from_pretrained(
         cls,
         base_model_name_or_path: str,
@@ -134,21 +135,55 @@ class Encoder(nn.Module):
         mask_readout_tokens: int | None = None,
         prompts: dict[str, str] | None = None,
         similarity_fn_name: str | None = None,
-        **kwargs,
+        **kwargs: Any,
     ) -> Encoder:
-        """Load a plain checkpoint, an LLM2Vec checkpoint or an encoder folder (``base_model_name_or_path``), with an
-        adapter on top (``peft_model_name_or_path``; ``merge_peft`` merges it, else it stays a ``PeftModel``).
+        """Load a plain checkpoint, an LLM2Vec checkpoint or one of our encoder folders, with an adapter on top.
 
-        ``enable_bidirectional``, ``pooling_mode``, ``max_length``, ``doc_max_length``, ``skip_instruction``,
-        ``prompt_template``, ``mask_readout_tokens``, ``prompts``, ``similarity_fn_name``: the ``EncoderConfig``
-        settings of those names (None: not given). ``torch_dtype`` (a dtype or ``auto``, ``bfloat16``, ``float16``,
-        ``float32``; None: float32), ``attn_implementation`` and ``device`` say how the backbone loads.
-        Settings are resolved once by ``config.resolve_config``, in increasing priority: the defaults,
-        the checkpoint's ``llm2vec_config.json`` and ``encoder_config.json`` (read from the PEFT folder
-        when one is given, as LLM2Vec does), LLM2Vec's settings for known checkpoint names (not for
-        our encoder folders, which saved them), then the explicit arguments; the result is immutable.
-        An adapter stored inside the base folder (LLM2Vec's MNTP repos) is merged first. ``kwargs`` naming
-        another setting set it; others (``device_map``, ``revision``...) go to the backbone's ``from_pretrained``.
+        Each setting is resolved once, from the highest of these that gives it: your arguments, LLM2Vec's
+        settings for known checkpoint names (not for our folders, which saved theirs), the checkpoint's
+        ``encoder_config.json``, its ``llm2vec_config.json`` (both read from the adapter's folder when one is
+        given, as LLM2Vec does), the defaults. The result, ``encoder.config``, is immutable. An adapter stored
+        inside the base folder (LLM2Vec's MNTP repos) is merged first. Nothing loads from remote code.
+
+        Args:
+            base_model_name_or_path: A hub name or folder: plain weights (safetensors), an LLM2Vec checkpoint
+                or an encoder folder written by ``save``.
+            peft_model_name_or_path: A LoRA adapter trained over the base, or None.
+            merge_peft: Merge that adapter into the weights; False keeps it a trainable ``PeftModel``.
+            enable_bidirectional: Remove the causal mask (False: the paper's causal ablation). Default True.
+            pooling_mode: How token states become one vector: a key of ``pooling.POOLING_MODES``. Default
+                ``"mean"``.
+            max_length: Tokens per input, instruction and template included; longer inputs are cut. Default 512.
+            doc_max_length: Tokens of the text itself kept at ``encode`` time. Default 400.
+            skip_instruction: Pool over the text only, not the instruction's tokens. Default True.
+            torch_dtype: The weights' dtype: a ``torch.dtype`` or ``"auto"``, ``"bfloat16"``, ``"float16"``,
+                ``"float32"``. None loads float32; use bfloat16 on a GPU.
+            attn_implementation: transformers' attention kernel (``"sdpa"``, ``"eager"``, ``"varlen"``, ...).
+                None: its default for the model type.
+            device: Where the model goes (``"cuda:0"``, ``"cpu"``). None: CUDA if there is a GPU, else the CPU
+                (unless ``device_map`` places the model).
+            prompt_template: A chat wrapper with one ``{text}`` slot, used at training and evaluation alike.
+                None: none, or the known checkpoint's.
+            mask_readout_tokens: ``mask_token`` pooling: how many mask tokens are appended and averaged.
+                Default 1.
+            prompts: Named instructions, e.g. ``{"query": "Given a question, retrieve ..."}``, used by
+                ``encode(prompt_name=...)``, ``encode_query`` and ``encode_document``.
+            similarity_fn_name: What ``similarity`` computes: ``"cosine"`` (default), ``"dot"``,
+                ``"euclidean"`` or ``"manhattan"``.
+            **kwargs: Another ``EncoderConfig`` setting by name (``eos_suffix``, ``latent_num_latents``, ...);
+                anything else (``device_map``, ``revision``, ``attention_dropout``, ...) goes to the backbone's
+                ``from_pretrained``.
+
+        Returns:
+            The encoder (an ``nn.Module``), its settings in ``encoder.config``.
+
+        Raises:
+            FileNotFoundError: No safetensors weights or adapter at the path, or an adapter path without one.
+            TypeError: A keyword that is neither a setting, a loading option nor a field of the model's config.
+            ValueError: A setting outside its rule, an unknown ``attn_implementation`` or ``torch_dtype``, or
+                ``mask_token`` pooling on a backbone without a mask token.
+            backbones.AttentionSelfTestError: The loaded model does not attend as asked (bidirectional or
+                causal).
         """
         explicit = dict(
             enable_bidirectional=enable_bidirectional, pooling_mode=pooling_mode, max_length=max_length,
@@ -182,13 +217,6 @@ class Encoder(nn.Module):
             )
         return [int(mask_id)] * config.mask_readout_tokens
 
-    def prepare_for_tokenization(self, text: str) -> str:
-        """LLM2Vec's: ``text`` (``instruction !@#$%^&*()text`` or plain) with the chat template and, for
-        ``eos_token`` pooling, the EOS string applied; the separator stays where it was. ``tokenize``
-        knows the result is prepared and adds neither again."""
-        full, span = render(parse_input(text, 0), self.config.prompt_template, self.config.applied_eos_suffix)
-        return PreparedText(full[: len(full) - len(span)] + SEPARATOR + span if SEPARATOR in text else full)
-
     def _tokenize_items(
         self,
         items: list[TextInput],
@@ -206,23 +234,9 @@ class Encoder(nn.Module):
 
     def _collate(self, batch: Sequence[Tokenized]) -> dict[str, torch.Tensor]:
         """Left-pad (LLM2Vec's layout); ``embed_mask`` marks each row's pooled span."""
-        width = max(len(t.input_ids) for t in batch)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        embed_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, tok in enumerate(batch):
-            n = len(tok.input_ids)
-            if n:
-                input_ids[row, width - n :] = torch.tensor(tok.input_ids, dtype=torch.long)
-                attention_mask[row, width - n :] = 1
-            if tok.span:
-                embed_mask[row, width - tok.span :] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
+        return packing_mod.pad([(t.input_ids, t.span) for t in batch], self.tokenizer.pad_token_id)
 
-    def _collate_packed(
-        self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False
-    ) -> dict[str, torch.Tensor]:
+    def _collate_packed(self, batch: Sequence[Tokenized], pack_length: int, bounded: bool = False) -> dict:
         """Packed rows of ``pack_length``; ``bounded``: row count padded to a power of two (``packing.pack``)."""
         return packing_mod.pack(
             [(t.input_ids, t.span) for t in batch], pack_length, self.tokenizer.pad_token_id, bounded
@@ -231,65 +245,51 @@ class Encoder(nn.Module):
     def tokenize(
         self, inputs: Sequence[str | Sequence[str]], *, pack_length: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """``inputs`` (strings or ``[instruction, text]`` pairs) to padded ``input_ids``, ``attention_mask``,
-        ``embed_mask``.
+        """Tokenize for training (``forward``'s input): texts are cut at ``max_length`` only, as upstream did.
 
-        This is the training path: texts are cut only at ``max_length`` (as upstream training did, and
-        logged at debug level rather than once per batch); ``encode`` also applies ``doc_max_length``.
-        With ``pack_length`` the texts are packed into rows of at most that many tokens instead
-        (``diffusion_embedder.packing``); ``forward`` gives the same embeddings for both.
+        Args:
+            inputs: Strings or ``[instruction, text]`` pairs.
+            pack_length: Pack the texts into padding-free rows of at most this many tokens; None: padded rows.
+                ``forward`` gives the same embeddings for both.
+
+        Returns:
+            ``input_ids``, ``attention_mask`` and ``embed_mask`` (the pooled span) tensors; packed rows add their
+            offsets (``diffusion_embedder.packing``).
         """
         tokenized = self._tokenize_items(parse_inputs(inputs), warn=False)
         return self._collate(tokenized) if pack_length is None else self._collate_packed(tokenized, pack_length)
 
     # ------------------------------------------------------------------ forward
     def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Pooled embeddings (B, d) for ``features``, a ``tokenize`` output, padded or packed; differentiable."""
+        """Pooled embeddings, differentiable (the training path).
+
+        Args:
+            features: A ``tokenize`` output, padded or packed.
+
+        Returns:
+            The (B, d) embeddings.
+        """
         return self.get_pooling(features, self._hidden_states(features))
 
     def _hidden_states(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The backbone's last hidden states (B, L, d) in the padded layout (packed rows are gathered back)."""
-        if packing_mod.is_packed(features):
-            return packing_mod.packed_hidden(self.model, features)
-        attention_mask = features["attention_mask"]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        return self.model(
-            input_ids=features["input_ids"].long(),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).last_hidden_state
+        return packing_mod.hidden_states(self.model, features)
 
     def get_pooling(self, features: dict[str, torch.Tensor], last_hidden_states: torch.Tensor) -> torch.Tensor:
-        """LLM2Vec's: pool ``last_hidden_states`` (B, L, d) over ``features``' masks (the text span with
-        ``skip_instruction``). Unlike LLM2Vec's it leaves ``features`` as they were (LLM2Vec overwrote the
-        attention mask with the embed mask) and works with any padding side."""
-        attention_mask = features["attention_mask"]
-        pool_mask = attention_mask
-        if self.config.skip_instruction and "embed_mask" in features:
-            embed_mask = features["embed_mask"]
-            # An empty text has no span of its own: it falls back to all its tokens (documented).
-            has_span = embed_mask.sum(-1, keepdim=True) > 0
-            pool_mask = torch.where(has_span, embed_mask, attention_mask)
-        hidden = last_hidden_states
-        if self.latent is not None:
-            hidden = hidden.to(next(self.latent.parameters()).dtype)
-        return pool(
-            hidden, attention_mask, pool_mask, self.config.pooling_mode, self.latent, self.config.mask_readout_tokens
-        )
+        """LLM2Vec's: pool hidden states over the masks of ``features`` (the text span with ``skip_instruction``).
 
-    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None):
-        """LLM2Vec's: the backbone's ``resize_token_embeddings`` (returns its new input embedding)."""
-        return self.model.resize_token_embeddings(new_num_tokens=new_num_tokens, pad_to_multiple_of=pad_to_multiple_of)
+        Unlike LLM2Vec's, it leaves ``features`` as they were and works with any padding side.
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        """LLM2Vec's: the backbone's checkpointing, by the name its transformers has (5.23: ``activation_...``)."""
-        if hasattr(self.model, "activation_checkpointing_enable"):
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+        Args:
+            features: A ``tokenize`` output.
+            last_hidden_states: The backbone's last hidden states (B, L, d).
+
+        Returns:
+            The (B, d) embeddings.
+        """
+        return pool_features(features, last_hidden_states, self.config, self.latent)
 
     # ------------------------------------------------------------------ encode
+    @checked
     def encode(
         self,
         sentences: str | Sequence[str | Sequence[str]],
@@ -310,33 +310,62 @@ class Encoder(nn.Module):
         max_tokens_per_batch: int | None = None,
         max_length: int | None = None,
         doc_max_length: int | None = None,
-        packing: str | bool = "auto", compile: bool = False,
+        packing: bool | Literal["auto"] = "auto", compile: bool = False,
     ) -> torch.Tensor | np.ndarray | list:
-        """Embed ``sentences`` (strings or ``[instruction, text]`` pairs), in input order (``show_progress_bar``;
-        ``convert_to_tensor`` is accepted for sentence-transformers' signature: a tensor is the default).
+        """Embed texts, in input order.
 
-        Returns a float32 CPU ``torch.Tensor`` (LLM2Vec's default and dtype, whatever the model's dtype; a
-        numpy array with ``convert_to_numpy``); a single string gives a 1-D vector. ``prompt`` (or
-        ``prompt_name``, a key of ``config.prompts``) is the instruction of every plain-string input:
-        ``encode(texts, prompt=p)`` equals ``encode([[p, t] for t in texts])``. Then, as in
-        sentence-transformers: the first ``truncate_dim`` dimensions are kept (default ``self.truncate_dim``),
-        vectors are L2-normalized with ``normalize_embeddings``, and ``precision`` (int8, uint8, binary,
-        ubinary; None is float32) quantizes them with buckets from this call's embeddings.
-        ``output_value="token_embeddings"`` (default ``sentence_embedding``) returns each input's token states
-        instead (a list of (n_i, d) float32 tensors, padding removed), ``None`` a dict per input with every output
-        (``diffusion_embedder.outputs``). The positional arguments are LLM2Vec's, in its order; newer ones are
-        keyword-only. ``max_length`` / ``doc_max_length`` override the encoder's for this call only.
-        Batches are length-sorted; with ``max_tokens_per_batch`` they are cut by padded token count
-        (rows x longest row) instead of by number of texts. With ``packing`` (True, or "auto" where
-        the benchmark showed it faster) texts are instead packed without padding into rows as wide
-        as the longest text of each tokenization step (at most ``packing.MAX_ROW_LENGTH``), ``batch_size``
-        rows per forward (or as many as fit ``max_tokens_per_batch``); on CUDA widths and row counts are
-        rounded to powers of two (``packing.BOUNDED_SHAPES``) so compiled attention sees few shapes. The
-        embeddings are the same. ``compile=True`` compiles each decoder layer once, in place (``compilation.py``).
-        ``device`` may be a list of devices: one persistent worker per device then shares the batches
-        (done automatically when several GPUs are visible); ``pool`` (from ``start_multi_process_pool``)
-        runs them on that pool's workers instead. ``chunk_size`` is accepted for sentence-transformers'
-        signature: workers here pull one batch at a time, so it changes nothing.
+        The positional arguments are LLM2Vec's, in its order; newer ones are keyword-only. Texts are batched by
+        length, and a text's vector does not depend on the batch it is computed in (the documentation's
+        "The encoder in a notebook" page goes through each step).
+
+        Args:
+            sentences: Strings, ``[instruction, text]`` pairs (the instruction is attended to and, with
+                ``skip_instruction``, left out of pooling) or LLM2Vec's ``[instruction, text, id]`` triples. A
+                single string gives a single vector.
+            batch_size: Texts per forward pass (with packing: rows per forward).
+            show_progress_bar: Show a progress bar over the batches.
+            convert_to_numpy: Return a numpy array instead of a tensor.
+            convert_to_tensor: Accepted for sentence-transformers' signature; a tensor is the default anyway.
+            device: A device, or a list of devices, each then served by a persistent worker (what happens
+                when several GPUs are visible). None: the model's device.
+            prompt: The instruction of every plain-string input: ``encode(texts, prompt=p)`` equals
+                ``encode([[p, t] for t in texts])``.
+            prompt_name: A key of ``config.prompts``, whose prompt is used as ``prompt``.
+            output_value: What each input gives, with sentence-transformers' meanings:
+                ``"sentence_embedding"`` its pooled vector; ``"token_embeddings"`` its last hidden states, one
+                ``(n_i, d)`` float32 tensor per input, padding removed; None a dict per input holding both, with
+                its ``input_ids`` and ``attention_mask``.
+            normalize_embeddings: Scale each vector to unit L2 norm (after ``truncate_dim``).
+            truncate_dim: Keep the first dimensions only (Matryoshka-style). None: ``self.truncate_dim``, which
+                is None (every dimension) unless set.
+            precision: ``"float32"`` (or None), or ``"int8"``, ``"uint8"``, ``"binary"``, ``"ubinary"``,
+                quantized as sentence-transformers does, with the buckets taken from this call's embeddings.
+            pool: Workers from ``start_multi_process_pool`` that run the batches instead of this process
+                (sentence-transformers' ``pool``).
+            chunk_size: Accepted for sentence-transformers' signature, where it sets how many texts a pool
+                worker gets at once; here workers pull one batch at a time, so it changes nothing.
+            max_tokens_per_batch: Cut batches by padded size (rows x longest row) instead of by ``batch_size``,
+                so long texts do not exhaust memory and short ones fill it.
+            max_length: ``config.max_length`` for this call only.
+            doc_max_length: ``config.doc_max_length`` for this call only.
+            packing: Pack texts into padding-free rows: True, False, or ``"auto"`` (where it is faster:
+                ``packing.AUTO_PACKING``; on CUDA with the varlen kernel, not on the CPU). The vectors are the
+                same.
+            compile: Compile each decoder layer once, in place (``torch.compile``); later calls reuse them.
+                Refused where it cannot pay: on the CPU, and where varlen runs its per-text reference path.
+
+        Returns:
+            A float32 CPU tensor ``(N, d)`` (LLM2Vec's default, whatever the model's dtype), ``(d,)`` for a
+            single string; a numpy array with ``convert_to_numpy``; int8/uint8 values with those precisions;
+            with another ``output_value``, a list of tensors or of dicts.
+
+        Raises:
+            TypeError: ``sentences`` of another type, an input that is neither a string nor a pair, or a
+                ``pool`` that ``start_multi_process_pool`` did not make.
+            ValueError: A pair of the wrong length, text that is not valid Unicode, ``batch_size`` < 1, an
+                unknown ``precision`` or ``output_value``, ``prompt`` with ``prompt_name`` or with an input
+                that has an instruction, ``pool`` with ``device``, ``compile`` with several devices or where it
+                cannot pay.
         """
         return inference.encode(
             self, sentences, batch_size, show_progress_bar, convert_to_numpy, convert_to_tensor, device,
@@ -346,99 +375,71 @@ class Encoder(nn.Module):
             doc_max_length=doc_max_length, packing=packing, compile=compile,
         )
 
-    def encode_query(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
-        """``encode(sentences, ...)`` with the ``query`` prompt (when the encoder has one and no other is given)."""
+    def encode_query(self, sentences: str | Sequence[str | Sequence[str]], *args: Any, **kwargs: Any) -> Any:
+        """``encode`` for queries: with the encoder's ``query`` prompt, when it has one (sentence-transformers').
+
+        Args:
+            sentences: As for ``encode``.
+            *args: ``encode``'s other positional arguments.
+            **kwargs: ``encode``'s keyword arguments; a ``prompt`` or ``prompt_name`` given here wins.
+
+        Returns:
+            What ``encode`` returns.
+        """
         return self.encode(sentences, *args, **inference.role_kwargs("query", self.config.prompts, kwargs))
 
-    def encode_document(self, sentences, *args, **kwargs) -> torch.Tensor | np.ndarray:
-        """``encode(sentences, ...)`` with the ``document`` prompt (when the encoder has one and no other is given)."""
+    def encode_document(self, sentences: str | Sequence[str | Sequence[str]], *args: Any, **kwargs: Any) -> Any:
+        """``encode`` for documents: with the encoder's ``document`` prompt, when it has one (sentence-transformers').
+
+        Args:
+            sentences: As for ``encode``.
+            *args: ``encode``'s other positional arguments.
+            **kwargs: ``encode``'s keyword arguments; a ``prompt`` or ``prompt_name`` given here wins.
+
+        Returns:
+            What ``encode`` returns.
+        """
         return self.encode(sentences, *args, **inference.role_kwargs("document", self.config.prompts, kwargs))
 
-    def similarity(self, embeddings1, embeddings2) -> torch.Tensor:
-        """(n x m) scores of ``embeddings1`` (n, d) against ``embeddings2`` (m, d): ``config.similarity_fn_name``."""
+    def similarity(self, embeddings1: torch.Tensor | np.ndarray | list, embeddings2: torch.Tensor | np.ndarray | list
+                   ) -> torch.Tensor:
+        """Score every vector of one set against every vector of another, with ``config.similarity_fn_name``.
+
+        The functions are sentence-transformers': ``cosine``, ``dot``, and the negative ``euclidean`` and
+        ``manhattan`` distances (higher is more similar, for all four).
+
+        Args:
+            embeddings1: ``(n, d)`` or ``(d,)`` vectors: a tensor, a numpy array or a list of vectors.
+            embeddings2: ``(m, d)`` or ``(d,)`` vectors, likewise.
+
+        Returns:
+            An ``(n, m)`` float tensor of scores.
+        """
         return SIMILARITY_FUNCTIONS[self.config.similarity_fn_name](embeddings1, embeddings2)
 
-    @property
-    def similarity_fn_name(self) -> str:
-        return self.config.similarity_fn_name
-
-    @similarity_fn_name.setter
-    def similarity_fn_name(self, value: str) -> None:
-        self._set_config(self.config.replace(similarity_fn_name=check_similarity_fn_name(value)))
-
-    def get_sentence_embedding_dimension(self) -> int:
-        """Length of the vectors ``encode`` returns (``truncate_dim`` when set)."""
-        return min(self.embedding_dim, self.truncate_dim or self.embedding_dim)
-
-    @property
-    def max_seq_length(self) -> int:
-        """sentence-transformers' name for ``config.max_length`` (tokens per input, instruction included)."""
-        return self.config.max_length
-
-    @max_seq_length.setter
-    def max_seq_length(self, value: int) -> None:
-        self._set_config(self.config.replace(max_length=value))
-
-    def start_pool(self, devices: Sequence[str]) -> None:
-        """Start one persistent worker per device of ``devices``; later ``encode`` calls with them reuse them."""
-        self.stop_pool()
-        self._pool_workers = inference.start_pool(self, devices)
-
-    def stop_pool(self) -> None:
-        if self._pool_workers is not None:
-            self._pool_workers.close()
-            self._pool_workers = None
-
-    def start_multi_process_pool(self, target_devices: Sequence[str] | None = None) -> DevicePool:
-        """sentence-transformers' name: workers for ``encode(..., pool=pool)``, one per ``target_devices`` (default:
-        every CUDA device, else 4 CPU workers, as there). Stop it with ``stop_multi_process_pool``."""
-        return inference.start_pool(self, inference.pool_devices(target_devices))
-
-    @staticmethod
-    def stop_multi_process_pool(pool: DevicePool) -> None:
-        """sentence-transformers' name: stop the workers of ``pool``, from ``start_multi_process_pool``."""
-        pool.close()
-
-    def encode_multi_process(
-        self,
-        sentences: Sequence[str | Sequence[str]],
-        pool: DevicePool,
-        prompt_name: str | None = None,
-        prompt: str | None = None,
-        batch_size: int = 32,
-        chunk_size: int | None = None,
-        show_progress_bar: bool | None = None,
-        precision: str | None = "float32",
-        normalize_embeddings: bool = False,
-        truncate_dim: int | None = None,
-    ) -> np.ndarray:
-        """sentence-transformers' (deprecated there) ``encode(sentences, pool=pool, convert_to_numpy=True)``, in its
-        argument order (``sentences``, ``pool``, ``prompt_name``, ``prompt``, ``batch_size``, ``chunk_size``,
-        ``show_progress_bar``, ``precision``, ``normalize_embeddings``, ``truncate_dim``); a numpy array, as there."""
-        return self.encode(
-            sentences, batch_size, bool(show_progress_bar), True, prompt=prompt, prompt_name=prompt_name,
-            precision=precision, normalize_embeddings=normalize_embeddings, truncate_dim=truncate_dim, pool=pool,
-            chunk_size=chunk_size,
-        )
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_pool_workers"] = None
-        return state
-
     # ------------------------------------------------------------------ saving
+    @checked
     def save(
         self, output_path: str, merge_before_save: bool = False, save_config: bool = True, *, format: str = "encoder"
     ) -> None:
-        """Write an encoder folder at ``output_path``: weights or adapter (safetensors), tokenizer, configs, model card.
+        """Write an encoder folder: weights or adapter (safetensors), tokenizer, settings and a model card.
 
-        LLM2Vec's signature. With ``merge_before_save`` a LoRA adapter is merged into the saved weights
-        (LLM2Vec's ``save`` also swaps its model for the merged one; this encoder keeps its adapter, so its
-        vectors don't change by saving); such a folder also loads in LLM2Vec 0.2.3 (the
-        tokenizer and config files are written in forms transformers 4.4x reads). ``save_config=False``
-        leaves out ``llm2vec_config.json`` and ``encoder_config.json`` (the settings), as LLM2Vec does.
-        ``format="sentence-transformers"`` also makes the folder a sentence-transformers model (merged;
-        see ``diffusion_embedder.export``).
+        LLM2Vec's signature. ``Encoder.from_pretrained(output_path)`` gives the same vectors again; a merged
+        folder also loads in LLM2Vec 0.2.3 (its tokenizer and config files are written in forms transformers
+        4.4x reads).
+
+        Args:
+            output_path: The folder to write (created if missing).
+            merge_before_save: Merge a LoRA adapter into the saved weights. Unlike LLM2Vec's ``save``, this
+                encoder keeps its adapter, so its vectors do not change by saving.
+            save_config: Write the settings (``llm2vec_config.json``, ``encoder_config.json``); False leaves
+                them out, as LLM2Vec does.
+            format: ``"encoder"``, or ``"sentence-transformers"`` to also make the folder a model
+                ``SentenceTransformer(output_path)`` loads (always merged; ``diffusion_embedder.export``).
+
+        Raises:
+            ValueError: An unknown ``format``; a tokenizer that cannot be written for older releases; with
+                ``"sentence-transformers"``, what that format cannot hold.
         """
         if format != "encoder":
             export(self, output_path, format)

@@ -24,6 +24,7 @@ from torch import nn
 from diffusion_embedder.files import read_json_object, write_json
 from diffusion_embedder.folders import write_model_card
 from diffusion_embedder.templates import placeholder_token
+from diffusion_embedder.values import checked
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +109,29 @@ def special_token_count(tokenizer) -> int:
     return len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
 
 
+class ExportRefused(ValueError):
+    """An export the asked format cannot hold as asked (``stock_only`` with settings that need our module)."""
+
+
+@checked
 def save_sentence_transformers(encoder: nn.Module, output_path: str, stock_only: bool = False) -> None:
     """Write a folder ``sentence_transformers.SentenceTransformer(output_path)`` loads with ``encode``'s vectors.
 
     A LoRA adapter is merged into the written weights (``save(merge_before_save=True)``; the encoder keeps
-    its adapter). ``stock_only`` refuses settings that need our module.
+    its adapter). Settings sentence-transformers' own modules cannot compute (instructions skipped in
+    pooling, mask-token readout, ...) use our ``EncoderModule``, which needs ``trust_remote_code`` there.
 
-    :param encoder: the ``Encoder`` to export.
-    :param output_path: the folder to write.
-    :param stock_only: refuse instead of using ``EncoderModule``.
+    Args:
+        encoder: The ``Encoder`` to export.
+        output_path: The folder to write.
+        stock_only: Refuse such settings instead of using ``EncoderModule``.
+
+    Raises:
+        ValueError: With ``stock_only``, a setting sentence-transformers' own modules cannot compute.
     """
     reasons = custom_module_reasons(encoder)
     if reasons and stock_only:
-        raise ValueError(
+        raise ExportRefused(
             "Cannot export to sentence-transformers with its own modules only: " + "; ".join(reasons) + ". "
             "Export without stock_only to use diffusion_embedder's EncoderModule instead; "
             + TRUST_REMOTE_CODE.format(path=output_path)

@@ -17,6 +17,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.templates import TextInput, parse_input, parse_inputs
 from diffusion_embedder.tokenization import Tokenized, tokenize_chunk, warn_truncated
+from diffusion_embedder.values import AT_LEAST_ONE, OptionError, problem
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +88,20 @@ def role_kwargs(role: str, prompts: dict[str, str], kwargs: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- batching and devices
+#: ``encode``'s numeric options and their ranges; the ``encode`` and ``eval`` commands' flags of the same names
+#: are checked against the same (``evaluation/options.py``).
+BOUNDS = {"batch_size": AT_LEAST_ONE, "max_tokens_per_batch": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE}
+
+
+def check_number(name: str, value, tp=int) -> None:
+    """An ``OptionError`` naming ``name`` and ``value`` where it is not of type ``tp`` within ``BOUNDS[name]``."""
+    found = problem(name, value, tp, bounds=BOUNDS[name])
+    if found:
+        raise OptionError(found)
+
+
 def check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    check_number("batch_size", batch_size)
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, max_tokens_per_batch: int | None = None) -> list[list[int]]:
@@ -121,13 +134,12 @@ class BatchPlan:
 
     batch_size: int
     max_tokens_per_batch: int | None = None
-    packing: str | bool = "auto"
+    packing: bool | Literal["auto"] = "auto"
     device_type: str = "cpu"
 
     def __post_init__(self):
         check_batch_size(self.batch_size)
-        if self.max_tokens_per_batch is not None:
-            packing_mod.check_positive("max_tokens_per_batch", self.max_tokens_per_batch)
+        check_number("max_tokens_per_batch", self.max_tokens_per_batch, int | None)
         packing_mod.check_packing(self.packing)
 
 
@@ -377,7 +389,7 @@ def encode(
     max_tokens_per_batch: int | None,
     max_length: int | None,
     doc_max_length: int | None,
-    packing: str | bool,
+    packing: bool | Literal["auto"],
     compile: bool = False,
 ) -> torch.Tensor | np.ndarray | list:
     """``Encoder.encode``, whose docstring says what each argument does."""
@@ -385,8 +397,7 @@ def encode(
     outputs.check_output_value(output_value, precision)
     check_batch_size(batch_size)
     for name, value in (("max_tokens_per_batch", max_tokens_per_batch), ("chunk_size", chunk_size)):
-        if value is not None:
-            packing_mod.check_positive(name, value)
+        check_number(name, value, int | None)
     truncate_dim = check_truncate_dim(
         truncate_dim if truncate_dim is not None else encoder.truncate_dim, encoder.embedding_dim
     )
@@ -408,6 +419,9 @@ def encode(
     if compile:  # the layers stay compiled: a later call reuses them
         if pool is not None or len(devices) > 1:
             raise ValueError("compile=True runs on one device: a device pool's workers hold their own copies")
+        problem = compilation.encode_problem(encoder.model, torch.device(devices[0] or encoder.device))
+        if problem:
+            raise ValueError(f"compile=True is refused: {problem}.")
         compilation.compile_layers(encoder.model)
     if pool is None and len(devices) > 1:
         pool = own_pool(encoder, devices)

@@ -22,10 +22,12 @@ from diffusion_embedder.config import (
     LLM2VEC_KEYS,
     POOLING_WEIGHTS,
     SETTING_NAMES,
+    check_values,
     read_settings,
     resolve_config,
 )
 from diffusion_embedder.devices import check_device
+from diffusion_embedder.dtypes import resolve_dtype
 from diffusion_embedder.files import HUB_KWARGS, find_file, hub_kwargs_of, read_optional_json_object
 from diffusion_embedder.pooling import LatentAttentionPooling
 from diffusion_embedder.templates import eos_suffix_for, known_settings, left_padded
@@ -75,6 +77,9 @@ def from_pretrained(
     """
     kwargs = dict(kwargs)
     hub_kwargs = hub_kwargs_of(kwargs)
+    explicit = {**explicit, **{name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs}}
+    check_values({k: v for k, v in explicit.items() if v is not None}, "encoder settings")  # before any file is read
+    resolve_dtype(torch_dtype)
     check_attn_implementation(attn_implementation)
     if device is not None:
         check_device(device)
@@ -85,7 +90,6 @@ def from_pretrained(
     llm2vec = read_settings(find_file(settings_dir, LLM2VEC_CONFIG, **hub_kwargs), LLM2VEC_KEYS)
     keep_own_adapter = peft_model_name_or_path is None and not merge_peft
     plan = _plan_load(base_model_name_or_path, saved, keep_own_adapter, hub_kwargs)
-    explicit = {**explicit, **{name: kwargs.pop(name) for name in SETTING_NAMES if name in kwargs}}
     _check_backbone_kwargs(cls, plan, kwargs, hub_kwargs)
     # An encoder folder already holds the settings known for its checkpoint, resolved when it was made.
     config = resolve_config(llm2vec, saved, {} if saved else known_settings(plan.names), explicit)

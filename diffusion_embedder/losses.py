@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from diffusion_embedder.values import checked
+
 logger = logging.getLogger(__name__)
 
 Negatives = torch.Tensor | Sequence[torch.Tensor] | None
@@ -97,6 +99,9 @@ class HardNegativeNLLLoss:
     The candidates of every query are all positives and all hard negatives of the global batch
     (every rank's, gathered with gradient); the target of query i is positive i. With K negatives
     per query all of them are stacked into the candidates (K=1 is upstream's setting).
+
+    Args:
+        scale: What the cosine similarities are multiplied by (1 / temperature); the config's ``loss_scale``.
     """
 
     def __init__(self, scale: float = 50.0):
@@ -121,8 +126,17 @@ class RepllamaLoss:
     configs). ``in_batch_negatives`` adds every other passage of the batch as a candidate;
     ``cross_device_negatives`` (which needs in-batch negatives) gathers them from all ranks. Both
     are off by default as upstream. The returned value is always the mean over the global batch.
+
+    Args:
+        scale_by_dim: Multiply every embedding by 1/sqrt(d).
+        in_batch_negatives: Add every other passage of the batch as a candidate.
+        cross_device_negatives: Gather those passages from every rank (needs ``in_batch_negatives``).
+
+    Raises:
+        ValueError: ``cross_device_negatives`` without ``in_batch_negatives``.
     """
 
+    @checked
     def __init__(
         self, scale_by_dim: bool = True, in_batch_negatives: bool = False, cross_device_negatives: bool = False
     ):
@@ -160,8 +174,9 @@ class RepllamaLoss:
 class LossSpec:
     """A registered loss: its class and which training-config field feeds each constructor argument.
 
-    :param loss: the loss class.
-    :param options: ``constructor argument -> training-config field``.
+    Args:
+        loss: The loss class.
+        options: ``constructor argument -> training-config field``.
     """
 
     loss: type
@@ -178,11 +193,18 @@ LOSSES: dict[str, LossSpec] = {
 }
 
 
-def loss_from_config(loss_class: str, settings: object):
+def loss_from_config(loss_class: str, settings: object) -> HardNegativeNLLLoss | RepllamaLoss:
     """The loss named ``loss_class`` with the options it registered, read from a config object's fields.
 
-    :param loss_class: a key of ``LOSSES``.
-    :param settings: an object with the config's fields (e.g. ``CustomArguments``).
+    Args:
+        loss_class: A key of ``LOSSES``.
+        settings: An object with the config's fields (e.g. ``CustomArguments``).
+
+    Returns:
+        The loss object, called as ``loss(q_reps, d_reps_pos, d_reps_neg)``.
+
+    Raises:
+        ValueError: A name ``LOSSES`` does not hold.
     """
     if loss_class not in LOSSES:
         raise ValueError(f"Unknown loss_class {loss_class!r}; choose one of {sorted(LOSSES)}.")

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
 from diffusion_embedder import varlen
+from diffusion_embedder.values import OptionError, problem
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ OFFSETS_KEY = "cu_seq_lens"
 #: Upper bound on the row width of packed encoding per device type (a dense block mask holds
 #: rows x width^2 entries); texts longer than this are encoded in rows of their own, without a mask.
 MAX_ROW_LENGTH = {"cpu": 4096, "cuda": 8192}
-PACKING_CHOICES = ("auto", True, False)
+#: What ``encode(packing=...)`` accepts: on, off, or "auto" (``AUTO_PACKING``).
+PACKING_TYPE = bool | Literal["auto"]
 
 
 def is_packed(features: dict) -> bool:
@@ -111,6 +114,22 @@ def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> lis
     if group:
         batches.append([i for r in group for i in r])
     return batches
+
+
+def pad(sequences: Sequence[tuple[Sequence[int], int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The padded layout of ``(input_ids, span)`` pairs (LLM2Vec's, left-padded): ``input_ids``, ``attention_mask``
+    and ``embed_mask`` (B, L), the last marking each row's pooled span."""
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    embed_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, (ids, span) in enumerate(sequences):
+        if ids:
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        if span:
+            embed_mask[row, width - span :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "embed_mask": embed_mask}
 
 
 def pack(
@@ -257,6 +276,18 @@ def varlen_offsets(features: dict[str, torch.Tensor]) -> dict:
     return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
 
 
+def hidden_states(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The backbone's last hidden states (B, L, d) in the padded layout, for padded or packed rows (``pack``)."""
+    if is_packed(features):
+        return packed_hidden(model, features)
+    attention_mask = features["attention_mask"]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    return model(
+        input_ids=features["input_ids"].long(), attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False,
+    ).last_hidden_state
+
+
 def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> torch.Tensor:
     """Run the backbone on packed rows; return hidden states in the padded layout (B, T, d).
 
@@ -290,7 +321,7 @@ def packed_hidden(model: torch.nn.Module, features: dict[str, torch.Tensor]) -> 
 #: because SDPA has no flash kernel for an arbitrary mask; so sdpa packs only where its packed forwards run on
 #: the varlen kernel (bf16/fp16, torch >= 2.10), and varlen packs. flex_attention packs: padded it compiles per
 #: batch width (12.3k tokens/s padded, 32.3k packed). eager pads (dense mask, no flash kernel either way).
-#: The varlen rows are not measured yet (bench/gpu.sh measures them beside the plain loop).
+#: The varlen rows are not measured yet (bench/gpu_run.sh measures them beside the plain loop).
 VARLEN_KERNEL = "varlen kernel"
 AUTO_PACKING: dict[tuple[str, str], bool | str] = {
     ("cpu", "sdpa"): False,
@@ -310,8 +341,9 @@ SLOW_PADDED = {
 
 
 def check_packing(choice) -> str | bool:
-    if choice not in PACKING_CHOICES or not isinstance(choice, str | bool):
-        raise ValueError(f"packing must be one of {PACKING_CHOICES}, got {choice!r}.")
+    found = problem("packing", choice, PACKING_TYPE)
+    if found:
+        raise OptionError(found)
     return choice
 
 

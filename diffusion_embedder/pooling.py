@@ -53,9 +53,10 @@ class LatentAttentionPooling(nn.Module):
     Residual connections make it start close to plain mean pooling, so it can be trained from a
     pretrained backbone without a cold start.
 
-    :param hidden_size: the backbone's hidden size.
-    :param num_latents: rows of the latent array.
-    :param num_heads: attention heads (must divide ``hidden_size``).
+    Args:
+        hidden_size: The backbone's hidden size.
+        num_latents: Rows of the latent array.
+        num_heads: Attention heads (must divide ``hidden_size``).
     """
 
     def __init__(self, hidden_size: int, num_latents: int = 512, num_heads: int = 8):
@@ -71,12 +72,34 @@ class LatentAttentionPooling(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The pooled (B, d) vectors of ``hidden`` (B, L, d) over the positions ``mask`` (B, L) marks."""
+        """Pool token states.
+
+        Args:
+            hidden: Token states (B, L, d).
+            mask: (B, L), 1 at the positions that count.
+
+        Returns:
+            The (B, d) pooled vectors.
+        """
         latents = self.latents.to(hidden.dtype).unsqueeze(0).expand(hidden.shape[0], -1, -1)
         attended, _ = self.cross_attention(hidden, latents, latents, need_weights=False)
         states = hidden + attended
         states = states + self.mlp(states)
         return masked_mean(states, mask)
+
+
+def pool_features(features: dict[str, torch.Tensor], hidden: torch.Tensor, config, latent=None) -> torch.Tensor:
+    """Pool ``hidden`` (B, L, d) over a ``tokenize`` output's masks as ``config`` (an ``EncoderConfig``) says: the
+    text span with ``skip_instruction``; an empty text, which has no span of its own, over all its tokens."""
+    attention_mask = features["attention_mask"]
+    pool_mask = attention_mask
+    if config.skip_instruction and "embed_mask" in features:
+        embed_mask = features["embed_mask"]
+        has_span = embed_mask.sum(-1, keepdim=True) > 0
+        pool_mask = torch.where(has_span, embed_mask, attention_mask)
+    if latent is not None:
+        hidden = hidden.to(next(latent.parameters()).dtype)
+    return pool(hidden, attention_mask, pool_mask, config.pooling_mode, latent, config.mask_readout_tokens)
 
 
 def pool(
@@ -91,12 +114,16 @@ def pool(
 
     ``mask_token`` averages the last ``readout_tokens`` positions: the mask tokens appended after the text.
 
-    :param hidden: the backbone's last hidden states.
-    :param attention_mask: (B, L), 1 for tokens, 0 for pads.
-    :param pool_mask: (B, L), the tokens that count.
-    :param mode: one of ``POOLING_MODES``.
-    :param latent: the latent-attention head (``latent_attention`` only).
-    :param readout_tokens: how many appended mask tokens ``mask_token`` averages.
+    Args:
+        hidden: The backbone's last hidden states (B, L, d).
+        attention_mask: (B, L), 1 for tokens, 0 for pads.
+        pool_mask: (B, L), the tokens that count.
+        mode: One of ``POOLING_MODES``.
+        latent: The latent-attention head (``latent_attention`` only).
+        readout_tokens: How many appended mask tokens ``mask_token`` averages.
+
+    Returns:
+        The (B, d) pooled vectors.
     """
     check_pooling_mode(mode)
     if mode == "mask_token":

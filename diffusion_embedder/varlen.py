@@ -11,7 +11,9 @@ layout and offsets; on CUDA it says so once and names what would be fast.
 Where the sequences come from, per forward:
 - packed rows (``packing.pack``): the offsets travel as transformers' FlashAttention keywords
   ``cu_seq_lens_q/k`` and ``max_length_q/k``, which every model's forward passes down to its attention;
-- padded rows: the 2D padding mask (kept as is by ``varlen_mask``) gives each row's real tokens;
+- padded rows: the mask function (``varlen_mask``, once per forward) turns the 2D padding mask into each row's
+  real tokens as one sequence (``Unpadded``: their indices, offsets and longest length, from one host read),
+  which every layer receives as its attention mask;
 - neither: each row is one sequence.
 Bidirectional or causal as the module says (``is_causal``, which ``backbones.set_bidirectional`` sets).
 
@@ -29,6 +31,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import AttentionInterface
@@ -167,9 +170,9 @@ def attend(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: flo
 def _refusal(module, dropout: float, softcap, sliding_window, longest: int) -> str | None:
     if dropout:
         return (
-            f"attention dropout {dropout} is asked for (the model trains with attention_dropout > 0, e.g. SimCSE's "
-            "simcse_dropout), and the varlen kernel has none; set it to 0, or use attn_implementation='sdpa', "
-            "which applies it"
+            f"the model's config sets attention_dropout={dropout} (its config.json, or SimCSE's simcse_dropout, which "
+            "sets it), and the varlen kernel has no dropout; set config.attention_dropout = 0.0, run the forward in "
+            "eval mode, or use attn_implementation='sdpa', which applies it"
         )
     if softcap:
         return config_problem(module.config) or f"attention soft-capping {softcap}"
@@ -181,12 +184,33 @@ def _refusal(module, dropout: float, softcap, sliding_window, longest: int) -> s
     return None
 
 
+class Unpadded(NamedTuple):
+    """Padded rows' real tokens as sequences: what every layer of one forward needs, derived once."""
+
+    keep: torch.Tensor  # indices of the real tokens among the rows' flattened positions
+    cu_seq_lens: torch.Tensor  # int32 offsets of each row's real tokens among the kept ones (rows + 1)
+    max_length: int  # the longest row's real tokens
+
+
+def unpadded(mask: torch.Tensor) -> Unpadded | None:
+    """A 2D padding mask as sequences (None when nothing is padded), with one host read: the rows' lengths, which
+    give the longest (the kernel takes it as a Python int) and the count of real tokens (so the indices come
+    from ``nonzero_static``, which does not wait for the device)."""
+    real = mask.bool()
+    lengths = real.sum(-1, dtype=torch.int32)
+    counts = lengths.tolist()
+    if min(counts, default=real.shape[1]) == real.shape[1]:
+        return None
+    keep = torch.nonzero_static(real.reshape(-1), size=sum(counts)).squeeze(1)
+    return Unpadded(keep, torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), max(counts))
+
+
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: Unpadded | torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -198,7 +222,8 @@ def varlen_attention_forward(
     max_length_k: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract: (B, H, L, D) query/key/value in, (B, L, H, D) out."""
+    """transformers' attention-function contract: (B, H, L, D) query/key/value in, (B, L, H, D) out; the mask is
+    ``varlen_mask``'s (or a 2D padding mask, unpadded here), the offsets those of packed rows."""
     rows, heads, length, dim = query.shape
     q = query.transpose(1, 2).reshape(rows * length, heads, dim)
     k = key.transpose(1, 2).reshape(rows * length, key.shape[1], dim)
@@ -206,21 +231,20 @@ def varlen_attention_forward(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     scale = scaling if scaling is not None else dim**-0.5
     keep = None
-    if cu_seq_lens_q is not None:
-        cu_q, cu_k = cu_seq_lens_q, cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q
-        max_q, max_k = max_length_q, max_length_k if max_length_k is not None else max_length_q
-    elif attention_mask is not None:
+    if isinstance(attention_mask, torch.Tensor):  # a 2D mask that did not come through ``varlen_mask``
         if attention_mask.dim() != 2:
             raise ValueError(
                 f"attn_implementation='varlen' takes a 2D padding mask or sequence offsets, not a "
                 f"{attention_mask.dim()}D mask (it cannot honour an arbitrary mask); use 'sdpa' for custom masks."
             )
-        real = attention_mask.bool()
-        keep = real.reshape(-1).nonzero().squeeze(1)
-        lengths = real.sum(-1, dtype=torch.int32)
-        cu_q = cu_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        max_q = max_k = int(lengths.max())
-        q, k, v = q[keep], k[keep], v[keep]
+        attention_mask = unpadded(attention_mask)
+    if cu_seq_lens_q is not None:
+        cu_q, cu_k = cu_seq_lens_q, cu_seq_lens_k if cu_seq_lens_k is not None else cu_seq_lens_q
+        max_q, max_k = max_length_q, max_length_k if max_length_k is not None else max_length_q
+    elif attention_mask is not None:
+        keep, cu_q, max_q = attention_mask
+        cu_k, max_k = cu_q, max_q
+        q, k, v = q.index_select(0, keep), k.index_select(0, keep), v.index_select(0, keep)
     else:
         cu_q = cu_k = torch.arange(0, rows * length + 1, length, dtype=torch.int32, device=q.device)
         max_q = max_k = length
@@ -235,12 +259,9 @@ def varlen_attention_forward(
 
 def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """transformers' mask-function contract: the 2D padding mask as is (None when nothing is padded), never a
-    dense mask; packed rows pass no mask (their offsets say where each text is)."""
-    if attention_mask is None:
-        return None
-    attention_mask = attention_mask[:, -kv_length:]
-    return None if attention_mask.shape[1] == kv_length and bool(attention_mask.all()) else attention_mask
+    """transformers' mask-function contract, called once per forward: the 2D padding mask as ``Unpadded`` (None
+    when nothing is padded), never a dense mask; packed rows pass no mask (their offsets say where each text is)."""
+    return None if attention_mask is None else unpadded(attention_mask[:, -kv_length:])
 
 
 AttentionInterface.register(NAME, varlen_attention_forward)

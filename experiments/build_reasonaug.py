@@ -15,8 +15,10 @@ Batch-API outputs; 4: requests that got no answer, e.g. the server is unreachabl
 import argparse
 from pathlib import Path
 
+from diffusion_embedder.reasonaug.cli import FRACTION
 from diffusion_embedder.reasonaug.cli import main as reasonaug
 from diffusion_embedder.reasonaug.pipeline import STAGES
+from diffusion_embedder.values import AT_LEAST_ONE, text_type
 
 
 def _run(argv: list[str]) -> None:
@@ -31,12 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rebuild", action="store_true", help="offline rebuild of ReasonAug/ (no LLM)")
     p.add_argument("--concepts", default="ReasonAug/concepts.jsonl")
     p.add_argument("--workdir", type=Path, default=Path("runs/reasonaug"))
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heldout-fraction", type=float, default=0.2)
+    p.add_argument("--rounds", type=text_type("rounds", int, bounds=AT_LEAST_ONE), default=8)
+    p.add_argument("--seed", type=text_type("seed", int), default=0)
+    p.add_argument("--heldout-fraction", type=text_type("heldout_fraction", float, bounds=FRACTION), default=0.2)
     p.add_argument("--generated-negatives", action="store_true", help="also run the LLM-written negatives stage")
     p.add_argument("--benchmark", default=None, help="benchmark queries for the contamination check")
     p.add_argument("--batch", action="store_true", help="Batch-API mode: write inputs, parse downloaded outputs")
+    p.add_argument("--allow-missing-definitions", action="store_true",
+                   help="build without the concepts the 'definitions' stage found no definition for (listed)")
     args = p.parse_args(argv)
 
     if args.rebuild:
@@ -44,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
     common = ["--workdir", str(args.workdir), "--concepts", args.concepts, "--rounds", str(args.rounds)]
     common += ["--seed", str(args.seed)] + (["--batch"] if args.batch else [])
+    common += ["--allow-missing-definitions"] if args.allow_missing_definitions else []
     for stage in STAGES:
         if stage == "negatives" and not args.generated_negatives:
             continue

@@ -37,6 +37,8 @@ from tiny_runs import (
 )
 
 from diffusion_embedder import clihelp
+from diffusion_embedder.files import folder_problem
+from diffusion_embedder.values import AT_LEAST_ONE, text_type
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python experiments/demo.py", description=__doc__, formatter_class=clihelp.HelpFormatter
     )
     parser.add_argument("--output_dir", default="runs/demo", help="checkpoints, results and report go here")
-    parser.add_argument("--max_queries", type=int, default=200)
-    parser.add_argument("--max_steps", type=int, default=None, help="override the demo configs' step count")
-    parser.add_argument("--nproc", type=int, default=2, help="training processes (torchrun --nproc_per_node)")
+    parser.add_argument("--max_queries", type=text_type("max_queries", int, bounds=AT_LEAST_ONE), default=200)
+    parser.add_argument("--max_steps", type=text_type("max_steps", int, bounds=AT_LEAST_ONE), default=None,
+                        help="override the demo configs' step count")
+    parser.add_argument("--nproc", type=text_type("nproc", int, bounds=AT_LEAST_ONE), default=2,
+                        help="training processes (torchrun --nproc_per_node)")
     args = parser.parse_args(argv)
+    if folder_problem(args.output_dir, "--output_dir"):  # before any run starts
+        parser.error(folder_problem(args.output_dir, "--output_dir"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = DemoSettings(Path(args.output_dir), max_queries=args.max_queries, nproc=args.nproc,
                             max_steps=args.max_steps)

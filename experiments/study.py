@@ -43,7 +43,9 @@ from tiny_runs import (
 
 from diffusion_embedder import backbones
 from diffusion_embedder.data import load_text_blocks
+from diffusion_embedder.files import folder_problem
 from diffusion_embedder.objectives import OBJECTIVES, ObjectiveOptions, mask_token_for
+from diffusion_embedder.values import AT_LEAST_ONE, text_type
 
 PRETRAIN_CONFIG = REPO / "train_configs" / "study" / "pretrain.json"
 #: embedder label -> (the LM it starts from, bidirectional attention)
@@ -218,12 +220,13 @@ def run_study(settings: StudySettings) -> dict[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="runs/study")
-    parser.add_argument("--pretrain_steps", type=int, default=400)
-    parser.add_argument("--mntp_steps", type=int, default=100)
-    parser.add_argument("--embed_steps", type=int, default=None, help="override the demo configs' 150 steps")
-    parser.add_argument("--max_queries", type=int, default=200)
-    parser.add_argument("--nproc", type=int, default=2)
+    for name, default in (("pretrain_steps", 400), ("mntp_steps", 100), ("embed_steps", None), ("max_queries", 200),
+                          ("nproc", 2)):
+        parser.add_argument(f"--{name}", type=text_type(name, int, bounds=AT_LEAST_ONE), default=default,
+                            help="override the demo configs' 150 steps" if name == "embed_steps" else None)
     args = parser.parse_args(argv)
+    if folder_problem(args.output_dir, "--output_dir"):  # before any run starts
+        parser.error(folder_problem(args.output_dir, "--output_dir"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = StudySettings(
         Path(args.output_dir), args.pretrain_steps, args.mntp_steps, args.embed_steps, args.max_queries, args.nproc

@@ -1,14 +1,20 @@
-"""Shared fixtures: the reference checkpoints and tiny random checkpoints of every supported family."""
+"""Shared fixtures: the reference checkpoints and tiny random checkpoints of every supported family; what keeps
+tests independent when pytest-xdist runs them in parallel (threads per worker, reserved ports, folders built once
+per run, a check that no test leaves global state behind)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from isolation import built_once, unchanged_global_state, worker_threads
 from transformers import AutoConfig, AutoModel
+
+from diffusion_embedder import varlen  # noqa: F401  registered before any test: a registration a test leaves shows
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA_FIXTURE = FIXTURES / "llm2vec_parity" / "llama"
@@ -120,10 +126,9 @@ def torchrun(output_dir: Path, *overrides: str, check: bool = True):
 
 @pytest.fixture(scope="session")
 def tiny_full_run(tmp_path_factory) -> Path:
-    """The uninterrupted 2-process run of the tiny config (20 steps, 12 per epoch), shared by the tests."""
-    out = tmp_path_factory.mktemp("full")
-    torchrun(out)
-    return out / TINY_RUN_ID
+    """The uninterrupted 2-process run of the tiny config (20 steps, 12 per epoch), shared by the tests (and by
+    the xdist workers: one run per test run). Read it; copy it to change it."""
+    return built_once(tmp_path_factory, "tiny_full_run", torchrun) / TINY_RUN_ID
 
 
 #: Mixed inputs (pairs with and without an instruction, plain strings, short and long) for equality tests.
@@ -144,3 +149,30 @@ def randomize_lora_b(model: torch.nn.Module, std: float) -> None:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, std)
+
+
+# ------------------------------------------------------------------ running in parallel (pytest-xdist, make test)
+def pytest_configure(config) -> None:
+    """Under xdist, each worker (and every process it starts: torchrun, the CLIs) runs on its share of the cores."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # a serial run keeps torch's own defaults
+    threads = worker_threads()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_leaves_no_global_state(request):
+    """A module's fixtures (chdir, environment, ...) are undone when the module is done."""
+    with unchanged_global_state(f"module {request.module.__name__}"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_leaves_no_global_state():
+    """What one test changes in the process is undone when it ends, so no test depends on the tests run before it
+    (xdist runs them in another order, on other workers)."""
+    with unchanged_global_state("this test"):
+        yield

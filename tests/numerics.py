@@ -45,7 +45,7 @@ GRAD_EPS = 128
 
 __all__ = [
     "GRAD_EPS", "HAND_EPS", "MERGE_EPS", "ORDER_EPS", "REFERENCE_EPS",
-    "assert_all_close_normwise", "assert_close_normwise", "eps", "normwise_error",
+    "assert_all_close_normwise", "assert_close_normwise", "eps", "log_normwise", "normwise_error",
 ]
 
 
@@ -76,6 +76,16 @@ def _log(label: str, ratio: float, bound: float) -> None:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         with open(path, "a") as f:
             f.write(f"{test}\t{label}\t{ratio:.3f}\t{bound:g}\n")
+
+
+def log_normwise(
+    actual, expected, *, dtype: torch.dtype = torch.float32, rows: bool = False, msg: object = ""
+) -> float:
+    """``normwise_error`` in eps of ``dtype``, logged to NUMERICS_LOG with no bound: what a comparison checked
+    another way (a cosine) saw, from which its bound is to be set."""
+    ratio = normwise_error(actual, expected, rows) / eps(dtype)
+    _log(str(msg), ratio, float("nan"))
+    return ratio
 
 
 def assert_close_normwise(

@@ -75,7 +75,7 @@ def test_checkpointing_a_layer_saves_what_the_model_says():
 
 
 @pytest.mark.parametrize("spelling", ["activation_checkpointing", "gradient_checkpointing"])
-@pytest.mark.parametrize("value, expected", [(1, 1), (True, 2), (False, 0), (0, 0)])
+@pytest.mark.parametrize("value, expected", [(1, 1), (2, 2), (True, 2), (False, 0), (0, 0)])
 def test_the_number_of_layers_reaches_the_decoder_layers(tmp_path, spelling, value, expected):
     cfg = make_config(tmp_path, **{spelling: value})
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)
@@ -100,8 +100,39 @@ def test_auto_checkpoints_the_fewest_layers_that_fit(tmp_path, monkeypatch, capl
         prepare_encoder(cfg.model, cfg.custom, make_config(tmp_path, activation_checkpointing="auto").training, tokens)
 
 
+#: The tiny step's predicted peak by hand (make_config: the tiny Llama, h=64, i=128, 4 heads, 2 kv heads of 16, 2
+#: layers, vocab 1024; LoRA r=4 on the 7 projections with dropout 0.05; float32; 4 x 3 texts x 64 = 768 tokens):
+#: weights (139,584 base + 8,192 LoRA parameters) x 4 B = 591,104; LoRA state 8,192 x (4 + 4 + 8) B = 131,072;
+#: a kept layer saves 7,048 B a token (norms 520, attention 784, MLP 1,536, LoRA 7 x 16 + 5 x 64 x 8 + 64 x 8 +
+#: 128 x 8 = 4,208), a checkpointed one its input, 256; shared (rotary, final norm) 388; the backward's working layer
+#: 7,048. So peak(k layers checkpointed) = 722,176 + 768 x (7,948 + (2 - k) x 6,792):
+#: 6,826,240 (all), 12,042,496 (one), 17,258,752 (none). A budget in each gap, by the count that fits it:
+AUTO_TOKENS = 4 * 3 * 64
+AUTO_BUDGETS = {0: 20_000_000, 1: 14_500_000, 2: 9_500_000}
+
+
+@pytest.mark.parametrize("expected", list(AUTO_BUDGETS), ids=["none", "one", "every layer"])
+def test_auto_checkpoints_as_many_layers_as_a_hand_computed_budget_needs(tmp_path, monkeypatch, caplog, expected):
+    """'auto' considers every count from none to every layer: a step that fits only with every layer checkpointed
+    runs with all of them checkpointed, and one that fits with none checkpoints none."""
+    monkeypatch.setattr(checkpointing, "device_budget", lambda device: (AUTO_BUDGETS[expected], "hand budget"))
+    cfg = make_config(tmp_path, activation_checkpointing="auto")
+    with caplog.at_level(logging.INFO):
+        encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training, AUTO_TOKENS)
+    flags = [layer.gradient_checkpointing for layer in decoder_layers(encoder.model)]
+    assert flags == [True] * expected + [False] * (2 - expected)
+    assert f"checkpointing {expected} of 2 decoder layers" in caplog.text
+
+
+def test_auto_refuses_a_step_that_fits_no_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointing, "device_budget", lambda device: (5_000_000, "hand budget"))  # < 6,826,240
+    cfg = make_config(tmp_path, activation_checkpointing="auto")
+    with pytest.raises(ConfigError, match="'auto': even with all 2 decoder layers checkpointed"):
+        prepare_encoder(cfg.model, cfg.custom, cfg.training, AUTO_TOKENS)
+
+
 def test_checkpointing_settings_are_validated_naming_the_field_as_spelt(tmp_path):
-    words = r"gradient_checkpointing: 'autoo' \(str\) is not of type bool or int, nor one of \['auto'\]"
+    words = r"gradient_checkpointing: 'autoo' \(str\) is not of type bool or int or 'auto' or null"
     with pytest.raises(ConfigError, match=words):
         make_config(tmp_path, gradient_checkpointing="autoo")
     with pytest.raises(ConfigError, match="activation_checkpointing: must be >= 0, got -1"):

@@ -25,7 +25,9 @@ def aot_eager(monkeypatch):
     counters.clear()
 
 
-def test_encode_compiled_equals_eager_and_reuses_the_graph_for_other_shapes():
+def test_encode_compiled_equals_eager_and_reuses_the_graph_for_other_shapes(monkeypatch):
+    """The CPU stands in for CUDA (where encode compiles): no graph break, and no new graph for new lengths."""
+    monkeypatch.delitem(compilation.REFUSED_ON, "cpu")
     encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE)
     eager = encoder.encode(TEXTS, show_progress_bar=False)
     assert compilation.compiled_layers(encoder.model) == 0
@@ -37,11 +39,52 @@ def test_encode_compiled_equals_eager_and_reuses_the_graph_for_other_shapes():
     other = ["b " * n for n in (3, 11, 5, 17)]  # 4 texts in batches of 2 (>1 row: dynamo specializes 1)
     again = encoder.encode(other, batch_size=2, show_progress_bar=False, compile=True)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation for new lengths and row counts
+    assert not counters["graph_break"], dict(counters["graph_break"])
     expected = encoder.encode(other, batch_size=2, show_progress_bar=False)
     assert_close_normwise(again, expected, eps_multiple=ORDER_EPS, rows=True)
 
 
-def test_compile_on_a_device_pool_is_refused():
+def test_varlen_layers_compile_without_a_graph_break_or_a_new_graph_per_length(monkeypatch):
+    """Where varlen's kernel runs (here a stand-in that reads nothing on the host, as the GPU kernel), padded and
+    packed forwards of compiled layers break no graph and compile once for every length: the padded rows'
+    offsets reach the layers already derived (no ``.item()`` in a layer)."""
+    from test_varlen_kernel import device_only_kernel
+
+    from diffusion_embedder import varlen
+
+    monkeypatch.setattr(varlen, "kernel", lambda: varlen.Kernel(device_only_kernel, True, True, True))
+    monkeypatch.setattr(varlen, "kernel_problem", lambda *args: None)
+    encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE, attn="varlen")
+    eager = {packing: encoder.encode(TEXTS, batch_size=4, packing=packing, show_progress_bar=False)
+             for packing in (False, True)}  # fmt: skip
+    compilation.compile_layers(encoder.model)
+    for packing in (False, True):  # padded, then packed rows
+        compiled = encoder.encode(TEXTS, batch_size=4, packing=packing, show_progress_bar=False)
+        assert_close_normwise(compiled, eager[packing], eps_multiple=ORDER_EPS, rows=True, msg=packing)
+    graphs = counters["stats"]["unique_graphs"]
+    for packing in (False, True):
+        encoder.encode(["c " * n for n in (2, 29, 7, 13)], batch_size=2, packing=packing, show_progress_bar=False)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_encode_compile_is_refused_on_the_cpu_and_on_varlens_reference_path(monkeypatch):
+    """Refused up front, in our words, with nothing compiled: on the CPU, where it does not pay, and wherever varlen
+    runs its per-text reference path (the CPU standing in for a device where compile is allowed)."""
+    encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE)
+    with pytest.raises(ValueError, match="compile=True is refused: on the CPU compiled layers ran no faster"):
+        encoder.encode(TEXTS, show_progress_bar=False, compile=True)
+    assert compilation.compiled_layers(encoder.model) == 0
+    monkeypatch.delitem(compilation.REFUSED_ON, "cpu")
+    varlen_encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE, attn="varlen")
+    with pytest.raises(ValueError, match="attn_implementation='varlen' runs its reference path here \\(the kernel "
+                       "runs on CUDA only .*every compiled layer would break its graph"):
+        varlen_encoder.encode(TEXTS, show_progress_bar=False, compile=True)
+    assert compilation.compiled_layers(varlen_encoder.model) == 0
+
+
+def test_compile_on_a_device_pool_is_refused(monkeypatch):
+    monkeypatch.delitem(compilation.REFUSED_ON, "cpu")
     encoder = random_encoder(*TINY_SHAPE, LLAMA_FIXTURE)
     with pytest.raises(ValueError, match="compile=True runs on one device"):
         encoder.encode(TEXTS, device=["cpu", "cpu"], compile=True)

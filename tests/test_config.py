@@ -233,18 +233,18 @@ def _parsers():
 def _entries(text: str) -> dict[str, str]:
     """Option -> its help entry (argparse puts a long option's help on the next line)."""
     entries: dict[str, str] = {}
-    current = None
+    current: list[str] = []
     for line in text.splitlines():
         stripped = line.strip()
-        if stripped.startswith("-"):
-            current = stripped.split()[0].rstrip(",")
-            if current == "-h":
-                current = "--help"
-            entries[current] = stripped
+        if stripped.startswith("-"):  # "-h, --help" or "--flag-name, --flag_name VALUE": each spelling
+            current = [word.rstrip(",") for word in stripped.split("  ")[0].split() if word.startswith("-")]
+            current = ["--help" if name == "-h" else name for name in current]
+            entries.update(dict.fromkeys(current, stripped))
         elif current and line.startswith("   ") and stripped:
-            entries[current] += " " + stripped
+            for name in current:
+                entries[name] += " " + stripped
         else:
-            current = None
+            current = []
     return entries
 
 

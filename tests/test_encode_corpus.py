@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,24 @@ def test_another_model_setting_or_corpus_is_refused_naming_what_differs(referenc
     assert sorted(p.name for p in out.iterdir()) == before  # nothing written
 
 
+def test_the_command_refuses_another_setting_with_status_2_and_the_message_alone(reference, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Before, the refusal came as a traceback with exit status 1. Another corpus is refused before the model loads
+    (it is known without the model); another setting once the model says what it computes."""
+    out = reference[0]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert ec.main(argv(out, "--device", "cpu", "--pooling_mode", "weighted_mean")) == 2
+    err = capsys.readouterr().err  # transformers' weight-loading bar, then the message alone
+    assert err.splitlines()[-1].startswith(f"error: {out} holds the embeddings of another model, settings or corpus")
+    assert "encoder setting pooling_mode: 'mean' there, 'weighted_mean' now" in err and "Traceback" not in err
+    edited = tmp_path / "corpus.jsonl"
+    edited.write_text(CORPUS.read_text().replace("book", "film", 1))
+    monkeypatch.setattr(ec, "load_checkpoint", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert ec.main(argv(out, "--device", "cpu", corpus=edited)) == 2
+    assert re.search(r"^error: .*corpus.fingerprint: '[0-9a-f]{64}' there, '[0-9a-f]{64}' now", capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written
+
+
 def drop_chunks(folder: Path, indices: list[int]) -> None:
     for index in indices:
         for suffix in (".json", ".npy"):
@@ -300,9 +319,9 @@ def test_shares_of_a_job_array_under_torchrun(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     args = ec.parse_args(argv(Path("out"), "--num_shards", "3", "--shard_index", "2"))
     assert ec._shard(args) == (5, 6)  # job 2 of 3, rank 1 of 2: share 5 of 6
-    args.shard_index = 3
+    args.shard_index = 3  # checked with every flag, before the model loads
     with pytest.raises(ValueError, match="--shard_index 3 is not in 0 .. --num_shards - 1 = 2"):
-        ec._shard(args)
+        ec.check_arguments(args)
 
 
 def test_help_lists_every_option_with_its_default(capsys, monkeypatch):

@@ -4,6 +4,7 @@ scores shown as missing, tasks in the benchmark's order, value labels that stay 
 from __future__ import annotations
 
 import json
+import shutil
 
 import matplotlib
 
@@ -12,7 +13,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from diffusion_embedder.evaluation import report  # noqa: E402
+from diffusion_embedder.evaluation import report, results  # noqa: E402
 from diffusion_embedder.evaluation.tasks import LONGEMBED  # noqa: E402
 
 DREAM = "diffusion_embedder/dream-reasonaug-checkpoint-1000@1a2b3c4d"
@@ -155,3 +156,83 @@ def test_followir_columns_are_the_mean_over_the_task_s_splits(tmp_path):
         hand_average += hand_main / len(FOLLOWIR_SPLITS)
     assert rows["Average"] == pytest.approx(hand_average, rel=1e-15)  # the p-MRR columns only, not og
     assert f"| followir | **Average** |  | {hand_average:.2f} |" in markdown
+
+
+# ------------------------------------------------------------------ what makes two result files one column and row
+RUN = "diffusion_embedder/run-checkpoint-1000"
+HAND_TASK = "HandRetrieval"
+
+
+def write_result(folder, *, revision: str = "checkpoint-1000", data: str = "data-1", score: float = 0.375,
+                 experiment: dict | None = None, weights: str | None = "w1", instruction: str | None = "Find it:"):
+    """One model folder as ``run.py`` leaves it, written by hand: ``model_meta.json``, one task result (mteb's
+    format), and the ledger beside it (``identity.jsonl``, ``query_instructions.jsonl``) where given."""
+    import mteb
+
+    folder.mkdir(parents=True)
+    meta = {"name": RUN, "revision": revision, **({"experiment_kwargs": experiment} if experiment else {})}
+    (folder / "model_meta.json").write_text(json.dumps(meta))
+    scores = {"test": [{"hf_subset": "default", "languages": ["eng-Latn"], "main_score": score, "ndcg_at_10": score}]}
+    (folder / f"{HAND_TASK}.json").write_text(json.dumps({
+        "dataset_revision": data, "task_name": HAND_TASK, "mteb_version": mteb.__version__, "scores": scores,
+        "evaluation_time": 1.0, "kg_co2_emissions": None}))
+    if weights is not None:
+        (folder / results.IDENTITY_FILE).write_text(json.dumps({"weights": weights, "settings": {"pooling": "mean"}}))
+    if instruction is not None:
+        (folder / results.INSTRUCTIONS_FILE).write_text(
+            json.dumps({"task": HAND_TASK, "query_instruction": instruction}) + "\n")
+    return folder
+
+
+def report_of(tmp_path, capsys, *folders) -> tuple[int, str, str]:
+    """``report`` on the folders: its exit status, what it printed, and what it wrote to stderr."""
+    code = report.main([*map(str, folders), "--out_dir", str(tmp_path / "report")])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_copied_result_is_one_column_and_row(tmp_path, capsys):
+    write_result(tmp_path / "a" / "results" / "run" / "checkpoint-1000")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    code, out, _ = report_of(tmp_path, capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0
+    assert f"| local | {HAND_TASK} | nDCG@10 | 37.50 |\n" in out  # one column: one value in the row
+    assert out.count(f"`{RUN}@") == 1
+
+
+@pytest.mark.parametrize("other, named", [
+    ({"data": "data-2"}, "data revision"),
+    ({"weights": "w2"}, "weights and settings (identity.jsonl)"),
+    ({"weights": None}, "weights and settings (identity.jsonl)"),
+    ({"instruction": "Find the other:"}, "query instruction (query_instructions.jsonl)"),
+    ({"instruction": None}, "query instruction (query_instructions.jsonl)"),
+], ids=["data revision", "weights", "weights not recorded", "instruction", "instruction not recorded"])  # fmt: skip
+def test_equal_scores_from_different_data_or_weights_or_instructions_are_not_merged(tmp_path, capsys, other, named):
+    """Two results for one checkpoint, experiment and task with equal scores are still two results when their data
+    revision, the weights recorded beside them or the query instruction they were scored with differ (or are
+    recorded beside one only): the report stops (exit 2, no traceback) naming both files and what differs, and
+    writes nothing."""
+    first = write_result(tmp_path / "a" / "results" / "run" / "checkpoint-1000")
+    second = write_result(tmp_path / "b" / "results" / "run" / "checkpoint-1000", **other)
+    code, out, err = report_of(tmp_path, capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 2 and "Traceback" not in err and out == ""
+    assert "Two different results" in err and f"differ in their {named};" in err, err
+    for folder in (first, second):
+        assert str(folder / f"{HAND_TASK}.json") in err
+    assert not (tmp_path / "report").exists()
+
+
+@pytest.mark.parametrize("second, headers", [
+    ({"revision": "checkpoint-2000"}, "run-checkpoint-1000@checkpoint-1000 | run-checkpoint-1000@checkpoint-2000"),
+    ({"experiment": {"top_k": 200}}, "run-checkpoint-1000 | run-checkpoint-1000 (top_k=200)"),
+], ids=["revision", "experiment"])  # fmt: skip
+def test_other_revisions_or_experiments_with_equal_scores_are_two_columns(tmp_path, capsys, second, headers):
+    """Another revision (even one sharing its first characters) or another experiment is another column, each with
+    its own score, however equal, and a header of its own."""
+    write_result(tmp_path / "a" / "results" / "run" / "checkpoint-1000")
+    write_result(tmp_path / "b" / "results" / "run" / "other", **second)
+    code, out, _ = report_of(tmp_path, capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0
+    assert f"| local | {HAND_TASK} | nDCG@10 | 37.50 | 37.50 |\n" in out
+    assert out.count(f"`{RUN}@") == 2
+    assert out.startswith(f"| benchmark | task | metric | {headers} |\n")

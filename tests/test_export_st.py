@@ -7,9 +7,11 @@ import logging
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import DREAM_FIXTURE, FAMILIES, LLAMA_FIXTURE, default_attention
+from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from sentence_transformers import SentenceTransformer
@@ -28,6 +30,7 @@ from diffusion_embedder.export import (
 )
 from diffusion_embedder.folders import PEFT_012_LORA_FIELDS, legacy_adapter_config
 from diffusion_embedder.pooling import POOLING_MODES
+from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
 from diffusion_embedder.templates import parse_input
 
 PROMPTS = {"query": "Given a math problem, retrieve the relevant theorem", "document": "  Represent the proof  "}
@@ -333,7 +336,7 @@ def test_cli_export(tmp_path, capsys):
     latent = tmp_path / "latent"
     Encoder.from_pretrained(str(LLAMA_FIXTURE), pooling_mode="latent_attention", device="cpu").save(str(latent))
     assert cli_main(["export", str(latent), str(tmp_path / "refused"), "--stock_only"]) == 2
-    assert "pooling_mode='latent_attention'" in capsys.readouterr().out
+    assert "pooling_mode='latent_attention'" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
 
 
@@ -345,7 +348,7 @@ def test_export_to_a_file_says_so_in_our_words(tmp_path, capsys):
     taken.write_text("not a folder")
     for out, where in ((taken, "is a file"), (taken / "sub", f"lies under {taken}, which is a file")):
         assert cli_main(["export", str(LLAMA_FIXTURE), str(out)]) == 2
-        assert capsys.readouterr().out == f"error: OUTPUT {out} {where}, not a folder; choose another path, or " \
+        assert capsys.readouterr().err == f"error: OUTPUT {out} {where}, not a folder; choose another path, or " \
                                           "move the file away.\n"
     encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), device="cpu")
     for format in FORMATS:  # the API too, every format: the same message, the file untouched
@@ -354,3 +357,39 @@ def test_export_to_a_file_says_so_in_our_words(tmp_path, capsys):
     with pytest.raises(ValueError, match=f"lies under {taken}, which is a file"):
         encoder.save(str(taken / "sub"))
     assert taken.read_text() == "not a folder"
+
+
+def hand_similarity(name: str, a, b) -> np.ndarray:
+    """sentence-transformers' definitions, pair by pair in float64: cosine, dot, negative L2 and L1 distances."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    pair = {"cosine": lambda x, y: x @ y / np.sqrt((x @ x) * (y @ y)), "dot": lambda x, y: x @ y,
+            "euclidean": lambda x, y: -np.sqrt(((x - y) ** 2).sum()), "manhattan": lambda x, y: -np.abs(x - y).sum()}
+    return np.array([[pair[name](x, y) for y in b] for x in a])
+
+
+#: A folder of sentence-transformers' own modules, and one naming our EncoderModule (skip_instruction).
+MODULE_SETTINGS = {
+    ST_TRANSFORMER: {"skip_instruction": False, "max_length": 128, "doc_max_length": 128},
+    ENCODER_MODULE: {"skip_instruction": True},
+}
+
+
+@pytest.mark.parametrize("module", list(MODULE_SETTINGS), ids=["stock", "EncoderModule"])
+@pytest.mark.parametrize("name", list(SIMILARITY_FUNCTIONS))
+def test_the_exported_folder_scores_with_the_encoders_similarity_function(tmp_path, name, module):
+    """The folder names the encoder's similarity function, and sentence-transformers, loading it, scores queries
+    against documents with it: the values computed by hand in float64 from its vectors, and our
+    ``Encoder.similarity`` on ours."""
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), prompts=PROMPTS, similarity_fn_name=name, device="cpu",
+                                      **MODULE_SETTINGS[module])  # fmt: skip
+    encoder.save(str(tmp_path), format="sentence-transformers")
+    assert json.loads((tmp_path / "modules.json").read_text())[0]["type"] == module
+    assert json.loads((tmp_path / "config_sentence_transformers.json").read_text())["similarity_fn_name"] == name
+    model = load_st(tmp_path)
+    assert model.similarity_fn_name == name
+    queries, documents = model.encode_query(TEXTS[:2]), model.encode_document(TEXTS)
+    scores = model.similarity(queries, documents)
+    assert_close_normwise(scores, hand_similarity(name, queries, documents), eps_multiple=HAND_EPS, rows=True)
+    ours = encoder.similarity(encoder.encode_query(TEXTS[:2], show_progress_bar=False),
+                              encoder.encode_document(TEXTS, show_progress_bar=False))  # fmt: skip
+    assert_close_normwise(scores, ours, eps_multiple=ORDER_EPS, rows=True)

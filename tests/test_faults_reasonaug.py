@@ -9,11 +9,11 @@ import json
 import random
 import re
 import shutil
-import socket
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from isolation import reserved_port
 from test_reasonaug_stages import STAGES, FakeLLM, parsed_files, raw_answers
 
 from diffusion_embedder.reasonaug import cli, llm
@@ -223,15 +223,15 @@ def test_live_stage_without_api_key_stops_before_sending(tmp_path, monkeypatch, 
 
 @pytest.fixture
 def server_down(monkeypatch):
-    """OPENAI_BASE_URL pointing at a closed localhost port; retries without waiting."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
-    monkeypatch.setenv("OPENAI_BASE_URL", url)
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
-    monkeypatch.setenv("no_proxy", "127.0.0.1")
-    monkeypatch.setattr(llm.ChatClient, "backoff", lambda self, attempt, headers=None: 0.0)
-    return url
+    """OPENAI_BASE_URL pointing at a localhost port held closed for the test (no other program can open a server
+    there meanwhile); retries without waiting."""
+    with reserved_port() as port:
+        url = f"http://127.0.0.1:{port}/v1"
+        monkeypatch.setenv("OPENAI_BASE_URL", url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        monkeypatch.setenv("no_proxy", "127.0.0.1")
+        monkeypatch.setattr(llm.ChatClient, "backoff", lambda self, attempt, headers=None: 0.0)
+        yield url
 
 
 def load_builder():
@@ -353,3 +353,78 @@ def test_bad_concepts_files_exit_2_with_the_message_alone(tmp_path, capsys, case
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert re.search(message, err), err
+
+
+def test_a_partial_set_of_definitions_is_refused_unless_the_user_allows_it(first_run, tmp_path, capsys, caplog):
+    """Before, triplets after a 'definitions' run that failed for 1 of 6 concepts exited 0 and left that concept out
+    with a warning only. Now it stops (status 2, naming the concept and the flag), as the negatives stage does, until
+    the user passes --allow-missing-definitions; then the set is built without it and the output says so."""
+    workdir = tmp_path / "w"
+    shutil.copytree(first_run[0], workdir)
+    definitions = workdir / "definitions.jsonl"
+    rows = definitions.read_text().splitlines()
+    dropped = json.loads(rows[2])["instance"]
+    definitions.write_text("".join(row + "\n" for row in rows if json.loads(row)["instance"] != dropped))
+    concepts = write_concepts(tmp_path / "c.jsonl", BASE)
+    common = ["--workdir", str(workdir), "--concepts", str(concepts), "--rounds", "2", "--seed", "1", "--batch"]
+    out = tmp_path / "t.jsonl"
+    refusal = (f"error: {definitions} has no definition for 1 of the 6 concepts ({dropped!r}): rerun the 'definitions' "
+               "stage until it ends without failed requests, then the stages after it; or pass "
+               "--allow-missing-definitions to build without them\n")
+    for command in (["triplets", *common, "--out", str(out)], ["negatives", *common]):
+        assert cli.main(command) == 2
+        assert capsys.readouterr().err == refusal
+    assert not out.exists()
+    assert cli.main(["triplets", *common, "--out", str(out), "--allow_missing_definitions"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    kept = {r["instance"] for r in records}
+    assert kept == {r["instance"] for r in BASE} - {dropped}
+    assert not any(dropped in (r["user_query"], r["positive_document"], r["hard_negative_document"]) for r in records)
+    assert f"left out, no definition (--allow-missing-definitions): {dropped}" in capsys.readouterr().out
+    assert f"No definition for 1 of the 6 concepts, left out (--allow-missing-definitions): {dropped!r}" in caplog.text
+
+
+@pytest.mark.parametrize(("command", "flags", "message"), [
+    ("problems", ["--rounds", "-2"], "rounds: must be >= 1, got -2"),
+    ("problems", ["--rounds", "0"], "rounds: must be >= 1, got 0"),
+    ("definitions", ["--max-regenerations", "-1"], "max_regenerations: must be >= 0, got -1"),
+    ("definitions", ["--concurrency", "0"], "concurrency: must be >= 1, got 0"),
+    ("definitions", ["--seed", "1.5"], "seed: 1.5 (float) is not of type int"),
+    ("triplets", ["--out", "t.jsonl", "--heldout-fraction", "1"], "heldout_fraction: must be < 1, got 1"),
+    ("rebuild", ["--heldout-fraction", "0"], "heldout_fraction: must be > 0, got 0"),
+])
+def test_numeric_flags_out_of_range_are_refused_before_anything_runs(command, flags, message, tmp_path, capsys,
+                                                                      monkeypatch):
+    """Before, ``problems --rounds -2`` ran and did nothing; ``rebuild --heldout-fraction 0`` ended in a traceback."""
+    monkeypatch.chdir(tmp_path)
+    argv = [command, *flags] + (["--workdir", "w", "--batch"] if command != "rebuild" else [])
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[-2]}: {message}" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["definitions", "--workdir", "{file}", "--batch"], "--workdir {file} is a file, not a folder"),
+    (["problems", "--workdir", "{file}/w", "--batch"], "--workdir {file}/w lies under {file}, which is a file"),
+    (["triplets", "--workdir", "w", "--out", "{folder}"], "--out {folder} is a folder, not a file"),
+    (["triplets", "--workdir", "w", "--out", "{file}/t.jsonl"], "the folder of --out {file} is a file"),
+    (["contamination", "--input", "i.jsonl", "--output", "{file}/o.jsonl", "--report", "r.json", "--benchmark",
+      "b.txt"], "the folder of --output {file} is a file"),
+    (["prompts", "--out", "{folder}"], "--out {folder} is a folder, not a file"),
+    (["rebuild", "--out-dir", "{file}"], "--out-dir {file} is a file, not a folder"),
+])
+def test_a_folder_that_is_a_file_is_refused_in_our_words_before_anything_is_written(argv, message, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Before, ``definitions --workdir <a file>`` ended in a NotADirectoryError traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "a_folder").mkdir()
+    names = {"file": str(tmp_path / "a_file"), "folder": str(tmp_path / "a_folder")}
+    assert cli.main([arg.format(**names) for arg in argv]) == cli.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message.format(**names)}") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_folder"]
+    assert (tmp_path / "a_file").read_text() == "not a folder" and not any((tmp_path / "a_folder").iterdir())

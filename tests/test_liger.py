@@ -51,9 +51,14 @@ def test_use_liger_kernel_reaches_the_family_function_on_the_backbone(tmp_path, 
 
 
 def test_liger_refuses_a_family_or_a_loss_kernel_it_is_not_wired_for(tmp_path, fake_liger, monkeypatch):
-    cfg = make_config(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True})
     with pytest.raises(ConfigError, match="liger_kernel_config: fused_linear_cross_entropy is not wired"):
-        prepare_encoder(cfg.model, cfg.custom, cfg.training)
+        make_config(tmp_path, use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": True})
+    from diffusion_embedder.training import lm  # the LM stages refuse it with the config too, before any model loads
+
+    assert lm.LM_STAGE.problems({"model_name_or_path": "m", "train_file": ["t.txt"], "output_dir": "o",
+                                 "liger_kernel_config": {"cross_entropy": True}}) == [
+        "liger_kernel_config: cross_entropy is not wired to our losses (they read the logits at the masked "
+        "positions); leave it false"]
     monkeypatch.delitem(liger.LIGER_FAMILIES, "llama")
     cfg = make_config(tmp_path, use_liger_kernel=True)
     with pytest.raises(ConfigError, match="use_liger_kernel: Liger Kernel is not wired for the 'llama' family"):

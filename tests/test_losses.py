@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from isolation import reserved_port
 from numerics import assert_close_normwise
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -110,16 +110,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    with reserved_port() as port:
+        mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -14,9 +14,10 @@ import pytest
 from conftest import LLAMA_FIXTURE, ROOT
 
 from diffusion_embedder.evaluation import encode_corpus
-from diffusion_embedder.mining import MiningError, mine_hard_negatives
+from diffusion_embedder.evaluation.encode_corpus import OtherEmbeddings
 from diffusion_embedder.mining import cli as mine_cli
 from diffusion_embedder.mining import mine as mine_mod
+from diffusion_embedder.mining import mine_hard_negatives
 
 BEIR = ROOT / "tests" / "fixtures" / "beir" / "reasonaug"
 
@@ -68,12 +69,8 @@ BAD = {
                                        r"--range_min 2 = 8"),
     "range_min not below range_max": ({}, ["--range_min", "5", "--range_max", "5"],
                                       "--range_min 5 must be below --range_max 5"),
-    "a relative margin of 1 or more": ({}, ["--relative_margin", "1.5"],
-                                       r"--relative_margin 1\.5: must be in \[0, 1\)"),
-    "a negative absolute margin": ({}, ["--absolute_margin", "-0.1"], r"--absolute_margin -0\.1: must be >= 0"),
     "min_score above max_score": ({}, ["--max_score", "0.2", "--min_score", "0.5"],
                                   r"--min_score 0\.5 is above --max_score 0\.2"),
-    "no negatives asked for": ({}, ["--num_negatives", "0"], r"--num_negatives 0: must be >= 1"),
     "a shard outside the shares": ({}, ["--num_shards", "2", "--shard_index", "2"],
                                    r"--shard_index 2 is not in 0 \.\. --num_shards - 1 = 1"),
     "a missing corpus file": ({"corpus": None}, ["--corpus", "missing.jsonl"], "--corpus not found: missing.jsonl"),
@@ -103,14 +100,50 @@ def test_bad_input_is_refused_with_status_2_naming_field_and_line_before_the_mod
     assert not (tmp_path / "out").exists()  # nothing written
 
 
-def test_a_bad_value_of_a_typed_flag_is_an_argparse_error(tmp_path, capsys, no_model):
+#: Values their flag's type, choices or range refuse, as every command's flags are read (``values``): argparse's
+#: error, exit status 2, the flag and the value named.
+BAD_VALUES = [
+    ("--relative_margin", "lots", "relative_margin: 'lots' (str) is not of type float or null"),
+    ("--relative_margin", "1.5", "relative_margin: must be < 1, got 1.5"),
+    ("--relative_margin", "nan", "relative_margin: 'nan' (str) is not of type float or null"),
+    ("--absolute_margin", "-0.1", "absolute_margin: must be >= 0, got -0.1"),
+    ("--max_score", "NaN", "max_score: must be a number, got nan"),
+    ("--num_negatives", "0", "num_negatives: must be >= 1, got 0"),
+    ("--num_negatives", "2.5", "num_negatives: 2.5 (float) is not of type int"),
+    ("--query_block_size", "0", "query_block_size: must be >= 1, got 0"),
+    ("--sampling", "best", "sampling: 'best' is not one of ['top', 'random']"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), BAD_VALUES)
+def test_a_bad_value_of_a_typed_flag_is_an_argparse_error(flag, value, message, tmp_path, capsys, no_model):
     corpus, pairs = small_inputs(tmp_path)
-    for flag, value in (("--relative_margin", "lots"), ("--sampling", "best"), ("--num_negatives", "2.5")):
-        with pytest.raises(SystemExit) as exit_:
-            mine_cli.main([*argv(pairs, corpus, tmp_path / "out"), flag, value])
-        assert exit_.value.code == 2 and flag in capsys.readouterr().err
-    assert mine_cli.parse_args([*argv(pairs, corpus, tmp_path / "out"), "--relative_margin", "none"]).relative_margin \
-        is None
+    with pytest.raises(SystemExit) as exit_:
+        mine_cli.main([*argv(pairs, corpus, tmp_path / "out"), flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}" in err and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_null_turns_a_filter_off_as_in_a_json_config(tmp_path):
+    corpus, pairs = small_inputs(tmp_path)
+    for text in ("null", "None"):
+        args = mine_cli.parse_args([*argv(pairs, corpus, tmp_path / "out"), "--relative_margin", text])
+        assert args.relative_margin is None
+    assert mine_cli.parse_args(argv(pairs, corpus, tmp_path / "out")).relative_margin == 0.05
+
+
+def test_the_python_api_refuses_what_the_flag_refuses_in_the_same_words(tmp_path, no_model):
+    from diffusion_embedder.values import OptionError
+
+    corpus, pairs = small_inputs(tmp_path)
+    common = {"base_model_name_or_path": str(LLAMA_FIXTURE), "show_progress_bar": False}
+    for name, value, message in (("relative_margin", 1.5, "relative_margin: must be < 1, got 1.5"),
+                                 ("num_negatives", True, "num_negatives: True (bool) is not of type int"),
+                                 ("sampling", "best", "sampling: 'best' is not one of ['top', 'random']")):
+        with pytest.raises(OptionError, match=__import__("re").escape(message)):
+            mine_hard_negatives(str(pairs), str(tmp_path / "out"), str(corpus), **common, **{name: value})
+    assert not (tmp_path / "out").exists()
 
 
 def test_faiss_asked_for_where_it_is_not_installed_is_refused(tmp_path, monkeypatch, capsys, no_model):
@@ -184,7 +217,7 @@ def test_every_flag_reaches_the_code_it_controls(tmp_path, monkeypatch, capsys):
     assert documents["corpus"]["num_rows"] == 30 + 0  # the positives ("Problem " + text) are the corpus's documents
     # 2: the search, the filters, the output (every option not its default)
     spies = Spies(monkeypatch)
-    second = ["--num_negatives", "2", "--range_min", "1", "--range_max", "6", "--relative_margin", "none",
+    second = ["--num_negatives", "2", "--range_min", "1", "--range_max", "6", "--relative_margin", "null",
               "--absolute_margin", "0.001", "--max_score", "0.99", "--min_score", "0.01", "--sampling", "random",
               "--seed", "5", "--keep_fewer", "--output_scores", "--search", "faiss", "--faiss_index", "Flat",
               "--query_block_size", "3", "--document_block_size", "7"]
@@ -290,7 +323,8 @@ def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tm
             pairs[0][{"queries": "query", "instruction": "instruction"}[change]] += " changed"
             write_jsonl(run / "pairs.jsonl", pairs)
             expected = "queries holds.*corpus.fingerprint"  # the queries' store, for its "corpus" (the queries)
-        with pytest.raises(MiningError, match=f"holds the embeddings of another model, settings or corpus.*{expected}"
-                           if "holds" not in expected else expected):
+        other = "holds the embeddings of another model, settings or corpus"
+        refusal = expected if "holds" in expected else f"{other}.*{expected}"
+        with pytest.raises(OtherEmbeddings, match=refusal):
             rerun(run, **options)
         assert before == {p: p.read_bytes() for p in (run / "out").rglob("*") if p.is_file()}  # nothing written

@@ -43,7 +43,7 @@ def beir_pairs(folder: Path) -> Path:
 def argv(pairs: Path, out: Path, *extra: str) -> list[str]:
     return ["--base_model_name_or_path", str(LLAMA_FIXTURE), "--pairs", str(pairs), "--corpus",
             str(BEIR / "corpus.jsonl"), "--output_dir", str(out), "--chunk_size", "16", "--batch_size", "8",
-            "--no_progress_bar", "--relative_margin", "none", "--range_max", "12", "--output_scores", *extra]
+            "--no_progress_bar", "--relative_margin", "null", "--range_max", "12", "--output_scores", *extra]
 
 
 def torchrun(script: Path, *args: str) -> subprocess.CompletedProcess:

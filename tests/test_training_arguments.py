@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from diffusion_embedder.training import supervised as run_module
 from diffusion_embedder.training.arguments import (
+    ARGUMENT_CLASSES,
     ConfigError,
     load_config,
     parse_overrides,
@@ -299,7 +301,8 @@ def test_either_checkpointing_spelling_works_on_the_command_line_and_errors_name
     read_as = installed[0]  # the newest spelling installed
     schema = StageSchema((Release,))
     for spelling in ("activation_checkpointing", "gradient_checkpointing"):
-        assert parse_overrides([f"--{spelling}", "false"], (Release,)) == {read_as: False}
+        overrides = parse_overrides([f"--{spelling}", "false"], (Release,))
+        assert overrides == {spelling: False} and schema.canonical(overrides) == ({read_as: False}, [])
         config = tmp_path / f"{spelling}.json"
         other = "gradient_checkpointing" if spelling == "activation_checkpointing" else "activation_checkpointing"
         config.write_text(json.dumps({"output_dir": "o", other: True}))
@@ -323,3 +326,16 @@ def test_a_gradient_checkpointing_override_reaches_the_installed_training_argume
         training = load_config(config, [f"--{spelling}", "false", "--output_dir", "o"]).training
         names = ("activation_checkpointing", "gradient_checkpointing")
         assert not any(getattr(training, name, False) for name in names)
+
+
+def test_a_nan_is_refused_for_every_field_with_a_range():
+    """JSON's NaN (which Python's json reads) passed every range check: each comparison with NaN is false, so a NaN
+    learning rate or dropout reached the run. Every ranged field of the supervised stage refuses it by name."""
+    from diffusion_embedder.training.schema import RANGES, field_aliases, field_table
+
+    table, aliases = field_table(ARGUMENT_CLASSES), field_aliases(ARGUMENT_CLASSES)
+    ranged = [name for name in RANGES if name in table and name not in aliases]  # one spelling of each
+    message = errors_of({**MINIMAL, **dict.fromkeys(ranged, float("nan"))})
+    for name in ranged:
+        assert re.search(rf"- {name}: (must be a number, got nan|nan \(float\) is not of type)", message), name
+    assert "learning_rate: must be a number, got nan" in message and "lora_dropout: must be a number" in message

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from isolation import reserved_port
 from safetensors.torch import load_file
 from torch import nn
 
@@ -101,25 +101,20 @@ def probe_script(folder: Path) -> Path:
     return script
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(*args: str, launch: tuple[str, ...] = ("--standalone", "--nproc_per_node=2")) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", *launch, *args]
     return subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def two_nodes(*args: str) -> list[subprocess.Popen]:
-    """Two torchrun "nodes" on this machine, started together, one process each, c10d rendezvous."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    return [
-        start(*args, launch=("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                             "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint))  # fmt: skip
-        for node in (0, 1)
-    ]
+def two_nodes(*args: str) -> str:
+    """Two torchrun "nodes" on this machine, started together, one process each, c10d rendezvous on a port held
+    for them until they finish; their output."""
+    with reserved_port() as port:
+        return finish(*[
+            start(*args, launch=("--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}"))  # fmt: skip
+            for node in (0, 1)
+        ])
 
 
 def finish(*launches: subprocess.Popen) -> str:
@@ -148,7 +143,7 @@ def runs(tmp_path_factory) -> SimpleNamespace:
     ddp = start(str(ROOT / "experiments" / "run_mntp.py"), *lm_args(out / "ddp"))
     probe = probe_script(out / "probe")
     sharded = [str(probe), str(out / "probe"), *lm_args(out / "fsdp", *SHARDED)]
-    stopped = finish(*two_nodes(*sharded, "--stop_after_n_steps", "2"))
+    stopped = two_nodes(*sharded, "--stop_after_n_steps", "2")
     resumed = finish(start(*sharded, "--resume_from_checkpoint", "last"))
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.chdir(ROOT)  # the tiny config names repository-relative paths

@@ -174,8 +174,36 @@ def test_attention_dropout_in_training_is_refused():
     with torch.no_grad():
         encoder.eval()(features)  # no dropout in eval: runs
     encoder.train()
-    with pytest.raises(ValueError, match="attention dropout 0.1 is asked for.*varlen kernel has none"):
+    with pytest.raises(ValueError, match="config sets attention_dropout=0.1 .*varlen kernel has no dropout; set "
+                       "config.attention_dropout = 0.0"):
         encoder(features)
+
+
+def test_a_varlen_training_refusal_names_where_the_attention_dropout_comes_from(tmp_path):
+    """The model's own config.json (here 0.1, as LLaDA's default) or SimCSE's simcse_dropout: the refusal names the
+    one that set it, its value and the fix."""
+    import shutil
+
+    from test_training_trainer import PAIRS, make_config
+
+    from diffusion_embedder.training import supervised
+    from diffusion_embedder.training.rows import training_rows
+    from diffusion_embedder.training.schema import ConfigError
+
+    model = tmp_path / "model"
+    shutil.copytree(LLAMA_FIXTURE, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    cfg = make_config(tmp_path / "run", model_name_or_path=str(model), attn_implementation="varlen",
+                      dataset_file_path=str(PAIRS))
+    own = rf"the model's own config sets attention_dropout 0.1 \({model}/config.json\).*set it to 0.0 there"
+    with pytest.raises(ConfigError, match=own) as refused:
+        supervised.build_trainer(cfg)
+    assert "simcse" not in str(refused.value)
+    encoder = load(LLAMA_FIXTURE, attn_implementation="varlen", attention_dropout=0.3)  # as SimCSE's run loads it
+    with pytest.raises(ConfigError, match="simcse_dropout 0.3 is the model's attention dropout") as refused:
+        training_rows("auto", encoder, simcse_dropout=0.3)
+    assert "config.json" not in str(refused.value)
 
 
 def test_simcse_dropout_with_varlen_is_refused_before_loading(tmp_path):
@@ -185,7 +213,7 @@ def test_simcse_dropout_with_varlen_is_refused_before_loading(tmp_path):
 
     with pytest.raises(ConfigError, match="attn_implementation: 'varlen' has no attention dropout, and simcse_dropout"):
         make_config(tmp_path, attn_implementation="varlen", simcse_dropout=0.3)
-    with pytest.raises(ConfigError, match="pack_length: 'wide' is not a number of tokens, 'auto' or null"):
+    with pytest.raises(ConfigError, match="pack_length: 'wide' \\(str\\) is not of type int or 'auto' or null"):
         make_config(tmp_path, pack_length="wide")
 
 

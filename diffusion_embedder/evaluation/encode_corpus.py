@@ -35,13 +35,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from diffusion_embedder import __version__, distributed
+from diffusion_embedder import __version__, clihelp, distributed
+from diffusion_embedder.clihelp import UsageError
 from diffusion_embedder.data.jsonl import Field, read_jsonl_rows
 from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
+    EXIT_STATUS,
     CorpusFieldOptions,
     ModelOptions,
     ShardOptions,
+    check_folder,
+    check_model_options,
     command_parser,
     encoder_overrides,
     option,
@@ -49,7 +53,7 @@ from diffusion_embedder.evaluation.options import (
 )
 from diffusion_embedder.evaluation.results import computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
-from diffusion_embedder.files import read_json_object
+from diffusion_embedder.files import check_file, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,17 @@ class _EncodeOptions(ShardOptions, CorpusFieldOptions, ModelOptions):
 
 #: The ``encode`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
 EncodeArguments = with_encoder_settings(_EncodeOptions, "EncodeArguments", __name__)
+
+
+class OtherEmbeddings(ValueError):
+    """An output folder holding the embeddings of another model, settings or corpus (never mixed with these)."""
+
+
+#: ``encode``'s exit statuses (``clihelp.run_command``): 0 done (every chunk of this process's share written or
+#: found complete); 2 the run could not start, the message alone: a flag (``evaluation/options.py``'s
+#: ``EXIT_STATUS``), the corpus file, the checkpoint's files, or an output folder that is a file or holds other
+#: embeddings (``OtherEmbeddings``). Anything else is a bug, with its traceback.
+ENCODE_EXIT_STATUS: dict[type[Exception], int] = {**EXIT_STATUS, OtherEmbeddings: 2}
 
 
 @dataclass
@@ -205,17 +220,6 @@ def identity(manifest: dict) -> str:
     return hashlib.sha256(json.dumps([flat.get(k) for k in IDENTITY_KEYS], sort_keys=True).encode()).hexdigest()
 
 
-def check_folder(folder: str, manifest: dict) -> None:
-    """Refuse ``folder`` when its manifest is another model's, settings' or corpus's; write nothing."""
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        return
-    differences = _differences(read_json_object(path, ValueError), json.loads(json.dumps(manifest)))
-    if differences:
-        raise ValueError(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
-                         f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
-
-
 def claim_folder(folder: str, manifest: dict) -> None:
     """Write ``manifest.json`` (the first process to arrive does, atomically), or check the one there."""
     os.makedirs(folder, exist_ok=True)
@@ -227,7 +231,31 @@ def claim_folder(folder: str, manifest: dict) -> None:
         with contextlib.suppress(FileExistsError):  # another process made it first: compared below
             os.link(tmp, path)
         os.remove(tmp)
-    check_folder(folder, manifest)
+    check_manifest(folder, manifest)
+
+
+def check_manifest(folder: str, manifest: dict) -> None:
+    """Refuse ``folder`` (``OtherEmbeddings``) when its manifest is another model's, settings' or corpus's than
+    ``manifest``; write nothing."""
+    path = os.path.join(folder, MANIFEST)
+    if os.path.exists(path):
+        _refuse_other(folder, _differences(read_json_object(path, ValueError), json.loads(json.dumps(manifest))))
+
+
+def _refuse_other(folder: str, differences: list[str]) -> None:
+    if differences:
+        raise OtherEmbeddings(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
+                              f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
+
+
+def check_corpus_there(folder: str, manifest: dict) -> None:
+    """Before the model loads: a folder whose manifest names another corpus or chunk plan than ``manifest`` (the
+    part known without the model) is refused as ``claim_folder`` would refuse it after loading."""
+    path = os.path.join(folder, MANIFEST)
+    if os.path.isfile(path):
+        old, new = _flat(read_json_object(path, OtherEmbeddings)), _flat(manifest)
+        _refuse_other(folder, [f"{key}: {old.get(key)!r} there, {new[key]!r} now" for key in IDENTITY_KEYS
+                               if key in new and old.get(key) != new[key]])
 
 
 def _check_chunk(
@@ -267,9 +295,17 @@ def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int],
 
 
 def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
-    """``(ids, float32 matrix)`` of an ``encode`` folder, in corpus order; every chunk must be complete and intact.
+    """Read what ``diffusion-embedder encode`` wrote: the ids and their embeddings, in corpus order.
 
-    :param output_dir: the folder ``diffusion-embedder encode`` wrote.
+    Args:
+        output_dir: The folder ``diffusion-embedder encode`` wrote.
+
+    Returns:
+        The document ids, and a float32 ``(N, d)`` array whose row i is document i's embedding.
+
+    Raises:
+        ValueError: A chunk missing, damaged or written by another model or settings (finish it by running the
+            same command again), named with its file.
     """
     manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
     if manifest.get("format") != FORMAT:
@@ -305,9 +341,21 @@ def parse_args(argv: list[str] | None = None) -> EncodeArguments:
     return EncodeArguments(**vars(build_parser().parse_args(argv)))
 
 
-def _read_corpus(args) -> Corpus:
+def check_arguments(args) -> None:
+    """Every flag, before any model loads or any file is written (argparse has read and checked each value)."""
+    check_model_options(args, _EncodeOptions)
+    if not args.output_dir:
+        raise UsageError("--output_dir is required.")
+    check_folder(args.output_dir, "--output_dir")
     if bool(args.corpus) == bool(args.task_name):
-        raise ValueError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
+        raise UsageError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
+    if args.corpus:
+        check_file(args.corpus, "--corpus")
+    if not 0 <= args.shard_index < args.num_shards:
+        raise UsageError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+
+
+def _read_corpus(args) -> Corpus:
     if args.task_name:
         return read_task_corpus(args.task_name, args.split, args.subset, args.data_dir)
     return read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
@@ -315,8 +363,6 @@ def _read_corpus(args) -> Corpus:
 
 def _shard(args) -> tuple[int, int]:
     """``(index, count)`` of this process: the job array's shard, split again over torchrun's ranks."""
-    if not 0 <= args.shard_index < args.num_shards:
-        raise ValueError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
     world = distributed.world_size()
     return args.shard_index * world + distributed.rank(), args.num_shards * world
 
@@ -375,14 +421,14 @@ def encode_chunks(encoder, corpus: Corpus, folder: str, manifest: dict, shard: i
 
 def encode_corpus(args) -> EncodeStats:
     """Encode this process's chunks of the corpus into ``args.output_dir``, skipping those already complete."""
-    if not args.output_dir:
-        raise ValueError("--output_dir is required.")
-    if not args.base_model_name_or_path:
-        raise ValueError("--base_model_name_or_path is required.")
+    check_arguments(args)
     load_device, encode_device = distributed.placement(args.device)
     shard, num_shards = _shard(args)
     corpus = _read_corpus(args)
-    corpus.chunks(args.chunk_size)  # a bad chunk size before the model loads
+    check_corpus_there(args.output_dir, {
+        "corpus": {"fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
+        "chunks": {"chunk_size": args.chunk_size, "chunk_chars": CHUNK_CHARS,
+                   "num_chunks": len(corpus.chunks(args.chunk_size))}})
     encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                               load_device, **encoder_overrides(args))
     manifest = store_manifest(encoder, corpus, args.chunk_size, args.base_model_name_or_path,
@@ -392,11 +438,16 @@ def encode_corpus(args) -> EncodeStats:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done."""
+    """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done. Exit status:
+    ``ENCODE_EXIT_STATUS``."""
     logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
+    return clihelp.run_command(lambda: _run(args), ENCODE_EXIT_STATUS)
+
+
+def _run(args) -> int:
+    check_arguments(args)  # before any process starts waiting for the others
     distributed.init()
     try:
         everyone = distributed.gather(encode_corpus(args))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from mteb.models import ModelMeta
@@ -30,6 +30,9 @@ from diffusion_embedder.evaluation.tasks import (
     split_max_length,
 )
 from diffusion_embedder.files import read_json_object
+
+if TYPE_CHECKING:
+    from diffusion_embedder.encoder import Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +67,16 @@ def training_datasets(*folders: str | None) -> set[str] | None:
 
 
 def load_mteb_model(model_name: str, revision: str | None = None, **kwargs: Any) -> MTEBEncoder:
-    """``ModelMeta.loader``: rebuild the evaluated model from its metadata (``meta.load_model()``).
+    """Rebuild an evaluated model from its mteb metadata: ``ModelMeta.loader`` (``meta.load_model()``).
 
-    ``kwargs`` are the meta's ``loader_kwargs`` (where the weights are, dtype) and its experiment
-    kwargs: encoder settings are applied, evaluation-only ones (``top_k``...) belong to the run.
+    Args:
+        model_name: The name the results are stored under.
+        revision: The recorded revision, checked against the weights loaded now.
+        **kwargs: The meta's ``loader_kwargs`` (where the weights are, their dtype) and its experiment
+            kwargs: encoder settings are applied, evaluation-only ones (``top_k``, ...) belong to the run.
 
-    :param model_name: the name the results are stored under.
-    :param revision: the recorded revision, checked against the weights loaded now.
+    Returns:
+        The ``MTEBEncoder`` over the loaded checkpoint.
     """
     from diffusion_embedder.config import SETTING_NAMES
 
@@ -101,7 +107,7 @@ class MTEBEncoder(AbsEncoder):
 
     def __init__(
         self,
-        encoder,
+        encoder: Encoder,
         instructions: dict[str, str] | None = None,
         query_template: str = DEFAULT_QUERY_TEMPLATE,
         cache: EmbeddingCache | None = None,
@@ -114,11 +120,26 @@ class MTEBEncoder(AbsEncoder):
         device: str | list[str] | None = None,
         chunk_size: int = CHUNK_SIZE,
     ):
-        """``encoder``: the ``Encoder``; ``name`` / ``revision``: what mteb stores the results under (default: derived
-        from the checkpoint and a hash of its weights and settings); ``extra_experiment_kwargs``: evaluation settings
-        that name an ``experiments/`` results folder; ``overrides``: encoder settings set for this evaluation only;
-        ``source``: ``base_model_name_or_path`` / ``peft_model_name_or_path`` the weights were loaded from;
-        ``device``: what ``Encoder.encode`` gets (None: its own choice); ``chunk_size``: see ``sharding.py``."""
+        """Wrap an encoder for mteb's evaluators.
+
+        Args:
+            encoder: The ``Encoder``.
+            instructions: Task name -> query instruction (None: the task's own query prompt).
+            query_template: How FollowIR joins a query and its instruction; holds ``{query}`` and
+                ``{instruction}``.
+            cache: Where document embeddings are kept between runs, or None.
+            max_length_cap: The longest LongEmbed length split applied to ``max_length``.
+            name: The name mteb stores the results under (None: derived from the checkpoint).
+            revision: The results revision (None: a hash of the weights and settings).
+            extra_experiment_kwargs: Evaluation settings that put the results under ``experiments/``.
+            overrides: Encoder settings set for this evaluation only.
+            source: ``base_model_name_or_path`` and ``peft_model_name_or_path`` the weights came from.
+            device: What ``Encoder.encode`` gets as ``device`` (None: its own choice).
+            chunk_size: The most texts one ``encode`` call gets (``sharding.py``: the unit a torchrun rank takes).
+
+        Raises:
+            ValueError: A ``query_template`` without ``{query}`` and ``{instruction}``.
+        """
         if "{query}" not in query_template or "{instruction}" not in query_template:
             raise ValueError(f"query_template must contain {{query}} and {{instruction}}, got {query_template!r}.")
         self.model = encoder

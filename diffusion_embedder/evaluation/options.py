@@ -1,9 +1,8 @@
-"""The command-line options of ``eval``, ``encode`` and ``mine``: each defined once (a dataclass field), flags derived.
+"""The command-line options of ``eval`` and ``encode``: each defined once, as a dataclass field; flags derived.
 
-``ModelOptions`` are what the commands load and encode with (checkpoint, dtype, device, batch and chunk
-sizes); ``CorpusFieldOptions`` and ``ShardOptions`` are what ``encode`` and ``mine`` share (a JSONL corpus's
-fields, job-array shares); each command adds its own fields, and ``with_encoder_settings`` adds one optional field
-per ``EncoderConfig`` setting (None: the checkpoint's own), so the setting flags are the encoder's own list.
+``ModelOptions`` are what both commands load and encode with (checkpoint, dtype, device, batch and chunk
+sizes); each command adds its own fields, and ``with_encoder_settings`` adds one optional field per
+``EncoderConfig`` setting (None: the checkpoint's own), so the setting flags are the encoder's own list.
 """
 
 from __future__ import annotations
@@ -13,17 +12,34 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-from diffusion_embedder import clihelp
-from diffusion_embedder.config import SETTING_NAMES, matches_type, setting_fields, value_problem
+from diffusion_embedder import clihelp, distributed
+from diffusion_embedder.clihelp import UsageError
+from diffusion_embedder.config import SETTING_NAMES, check_values, setting_fields, value_problem
 from diffusion_embedder.config import field_types as encoder_field_types
+from diffusion_embedder.data.jsonl import DataFormatError
+from diffusion_embedder.devices import check_device
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.evaluation.sharding import CHUNK_SIZE
-from diffusion_embedder.files import parse_json_object
+from diffusion_embedder.files import folder_problem
+from diffusion_embedder.inference import BOUNDS
+from diffusion_embedder.release_configs import BackboneConfigError
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, OptionError, problem, text_type
+
+#: ``eval``'s and ``encode``'s errors in our words, reported as the message alone (no traceback) with this exit
+#: status: 2, the command could not start (a flag, the corpus or a data file, the checkpoint's files, an output
+#: folder); argparse's own refusals exit 2 too. Anything else is a bug, with its traceback.
+EXIT_STATUS: dict[type[Exception], int] = {
+    UsageError: 2,
+    OptionError: 2,
+    DataFormatError: 2,
+    FileNotFoundError: 2,  # a corpus, a checkpoint or a file a flag names
+    BackboneConfigError: 2,
+}
 
 
 def option(default=None, help: str | None = None, **cli):
-    """A command-line option: its default and help; ``cli`` may add ``choices``, or ``flag`` for a
-    ``True`` switch (the ``--flag`` that turns it off)."""
+    """A command-line option: its default and help; ``cli`` may add ``choices``, ``bounds`` (a numeric range,
+    ``values.Bounds``), or ``flag`` for a ``True`` switch (the ``--flag`` that turns it off)."""
     factory = {"default_factory": default.copy} if isinstance(default, list) else {"default": default}
     return field(**factory, metadata={"help": help, **cli})
 
@@ -38,10 +54,10 @@ class ModelOptions:
     device: str | None = option(
         help="device to encode on; a comma-separated list (cuda:0,cuda:1) pools them in one process. Under "
              "torchrun each rank uses its own (cuda:LOCAL_RANK) and a list is refused")
-    batch_size: int = option(32)
+    batch_size: int = option(32, "texts per forward pass (the rows of one batch)", bounds=BOUNDS["batch_size"])
     chunk_size: int = option(
         CHUNK_SIZE, "most texts one Encoder.encode call gets: the unit a torchrun rank takes, stores and "
-                    "resumes (fewer for long texts: about 1M characters at most)")
+                    "resumes (fewer for long texts: about 1M characters at most)", bounds=AT_LEAST_ONE)
     show_progress_bar: bool = option(True, "hide the progress bar", flag="no_progress_bar")
 
 
@@ -49,8 +65,8 @@ class ModelOptions:
 class CorpusFieldOptions:
     """The fields of a JSONL corpus: ``encode``'s and ``mine``'s."""
 
-    id_field: str = option("_id")
-    text_field: str = option("text")
+    id_field: str = option("_id", "the JSONL field holding each document's id")
+    text_field: str = option("text", "the JSONL field holding each document's text")
     title_field: str = option("title", "joined before the text where present (as mteb does); '' for none")
 
 
@@ -59,66 +75,29 @@ class ShardOptions:
     """How the chunk store's work is shared out and batched: ``encode``'s and ``mine``'s."""
 
     num_shards: int = option(1, "processes the corpus is shared out to (a job array's size); under torchrun "
-                                "each one's ranks share its part")
-    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)")
-    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead")
-
-
-def optional_float(raw: str) -> float | None:
-    """argparse type of a ``float | None`` option: a number, or ``none`` for None (the setting off)."""
-    if raw.strip().lower() == "none":
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {raw!r}") from None
-
-
-def _str2bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "y"):
-        return True
-    if value.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
+                                "each one's ranks share its part", bounds=AT_LEAST_ONE)
+    shard_index: int = option(0, "this process's share, 0 .. num_shards - 1 (a job array's index)",
+                              bounds=AT_LEAST_ZERO)
+    max_tokens_per_batch: int | None = option(help="cut batches by padded tokens (rows x longest) instead",
+                                              bounds=BOUNDS["max_tokens_per_batch"])
 
 
 def add_options(parser: argparse.ArgumentParser, options: type) -> None:
-    """One flag per field of the ``options`` dataclass (a list is ``nargs="+"``, a bool a switch)."""
+    """One flag per field of the ``options`` dataclass (a list is ``nargs="+"``, a bool a switch); every value is
+    read and checked by ``text_type`` from the field's type, choices and bounds."""
     hints = typing.get_type_hints(options)
     for f in dataclasses.fields(options):
         tp = hints[f.name]
         spec = {k: f.metadata[k] for k in ("help", "choices") if k in f.metadata}
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
         if tp is bool:
             spec["action"] = "store_false" if default else "store_true"
         elif typing.get_origin(tp) is list:
-            spec |= {"nargs": "+", "type": typing.get_args(tp)[0]}
-        elif float in (tp, *typing.get_args(tp)):
-            spec["type"] = optional_float if type(None) in typing.get_args(tp) else float
+            spec |= {"nargs": "+", "type": text_type(f.name, typing.get_args(tp)[0], choices, bounds)}
         else:
-            spec["type"] = int if int in (tp, *typing.get_args(tp)) else str
+            spec["type"] = text_type(f.name, tp, choices, bounds)
         parser.add_argument(f"--{f.metadata.get('flag', f.name)}", dest=f.name, default=default, **spec)
-
-
-def _setting_type(name: str):
-    """argparse type for setting ``name``: its Python type, checked with EncoderConfig's own rules."""
-    tp = encoder_field_types()[name]
-    base = bool if tp is bool else int if tp is int else dict if typing.get_origin(tp) is dict else str
-
-    def parse(raw: str):
-        if base is dict:
-            value = parse_json_object(raw, name, argparse.ArgumentTypeError)
-            if not matches_type(value, tp):
-                raise argparse.ArgumentTypeError(f"{name}: expected a JSON object of strings, got {raw!r}")
-            return value
-        value = _str2bool(raw) if base is bool else base(raw)
-        problem = value_problem(name, value)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    parse.__name__ = base.__name__
-    return parse
 
 
 def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +108,7 @@ def add_encoder_flags(parser: argparse.ArgumentParser) -> None:
         extra = f"; one of {', '.join(choices)}" if choices else ""
         group.add_argument(
             f"--{f.name}",
-            type=_setting_type(f.name),
+            type=text_type(f.name, encoder_field_types()[f.name], rule=value_problem),
             default=None,
             metavar=f.name.upper(),
             help=f"{f.metadata['help']} (default: the checkpoint's, else {clihelp.default_text(f)}{extra})",
@@ -158,3 +137,32 @@ def with_encoder_settings(options: type, name: str, module: str) -> type:
 def encoder_overrides(args) -> dict:
     """Encoder settings given on the command line; unset ones are the checkpoint's own."""
     return {k: getattr(args, k) for k in SETTING_NAMES if getattr(args, k) is not None}
+
+
+def check_model_options(args, options: type) -> None:
+    """Before anything loads: every field of ``options`` (a value given in Python, not parsed by ``add_options``, is
+    checked as its flag would be; None is "not given"), every encoder setting, a checkpoint, device names this
+    machine has (and a placement torchrun allows)."""
+    hints = typing.get_type_hints(options)
+    for f in dataclasses.fields(options):
+        value = getattr(args, f.name)
+        choices = None if isinstance(value, list) else f.metadata.get("choices")
+        found = None if value is None else problem(f.name, value, hints[f.name], choices, f.metadata.get("bounds"))
+        if found:
+            raise OptionError(found)
+    check_values(encoder_overrides(args), "encoder settings")
+    if not args.base_model_name_or_path:
+        raise UsageError("--base_model_name_or_path is required.")
+    try:
+        distributed.placement(args.device)  # a device pool under torchrun is refused before any process waits
+        for device in distributed.parse_devices(args.device):
+            check_device(device, "--device")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_folder(path: str | None, flag: str) -> None:
+    """A folder a flag names that this command will write into: refused if it (or a folder above it) is a file."""
+    problem = folder_problem(path, flag) if path else None
+    if problem:
+        raise UsageError(problem)

@@ -12,11 +12,16 @@ import io
 import json
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from diffusion_embedder.evaluation.results import LEGACY_IDENTITY_FILE
+from diffusion_embedder.evaluation.results import (
+    IDENTITY_FILE,
+    INSTRUCTIONS_FILE,
+    LEGACY_IDENTITY_FILE,
+    recorded_identity,
+    stored_instructions,
+)
 from diffusion_embedder.evaluation.tasks import BENCHMARKS, benchmark_of
 from diffusion_embedder.files import read_json_object
 
@@ -80,8 +85,8 @@ class ResultTable:
 
 def short_labels(models: list[str]) -> dict[str, str]:
     """The run's own name (``diffusion_embedder/`` and the revision dropped; its middle cut beyond
-    ``SHORT_LABEL_CHARS``); its experiment, then its revision, come back only where two columns would read the
-    same (the key spells out every label in full)."""
+    ``SHORT_LABEL_CHARS``); its experiment, then its revision's start, then its whole revision, come back only
+    where two columns would read the same (the key spells out every label in full)."""
 
     def shorten(label: str, detail: int) -> str:
         name, _, rest = label.partition("@")
@@ -91,13 +96,13 @@ def short_labels(models: list[str]) -> dict[str, str]:
             half = (SHORT_LABEL_CHARS - 1) // 2
             short = short[:half] + "…" + short[-half:]
         if detail >= 2:
-            short += f"@{revision[:6]}"
+            short += f"@{revision[:6] if detail == 2 else revision}"
         if detail >= 1 and experiment:
             short += " " + experiment.replace("enable_bidirectional", "bidir").replace("pooling_mode", "pool")
         return short
 
     out = {m: shorten(m, 0) for m in models}
-    for detail in (1, 2):
+    for detail in (1, 2, 3):
         clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
         out = {m: shorten(m, detail) if v in clashes else v for m, v in out.items()}
     clashes = {v for v in out.values() if list(out.values()).count(v) > 1}
@@ -145,7 +150,7 @@ def _main_metric(result) -> str:
 
 def _model_label(folder: Path) -> str:
     meta = read_json_object(folder / "model_meta.json")
-    label = f"{meta.get('name')}@{str(meta.get('revision'))[:8]}"
+    label = f"{meta.get('name')}@{meta.get('revision')}"  # the whole revision: two may share a prefix
     if meta.get("experiment_kwargs"):
         exp = ",".join(f"{k}={v}" for k, v in sorted(meta["experiment_kwargs"].items()))
         label += f" ({exp})"
@@ -190,12 +195,34 @@ def check_results(paths: list[str]) -> list[str]:
     return problems
 
 
-def _same_result(a, b) -> bool:
-    """The same scores on the same data (a copied folder), whatever the run time."""
-    def scores(result) -> str:  # JSON text, so that NaN metrics compare equal
-        return json.dumps(result.scores, sort_keys=True, default=str)
+@dataclass(frozen=True)
+class StoredResult:
+    """A task result with what identifies it beyond its column: its file, the weights and settings and the query
+    instruction recorded beside it (None where not recorded)."""
 
-    return a.dataset_revision == b.dataset_revision and scores(a) == scores(b)
+    file: Path
+    result: object
+    identity: dict | None
+    instruction: str | None
+
+    @classmethod
+    def read(cls, folder: Path, file: Path) -> StoredResult:
+        result = _read_result(file)
+        return cls(file, result, recorded_identity(folder), stored_instructions(folder).get(result.task_name))
+
+    def differences(self, other: StoredResult) -> list[str]:
+        """What tells two results for one column and task apart; none: the same result (a copied folder), whatever
+        the run time. A record kept beside one only (an older version's folder) tells them apart too."""
+        def scores(stored) -> str:  # JSON text, so that NaN metrics compare equal
+            return json.dumps(stored.result.scores, sort_keys=True, default=str)
+
+        pairs = {
+            "data revision": (self.result.dataset_revision, other.result.dataset_revision),
+            "scores": (scores(self), scores(other)),
+            f"weights and settings ({IDENTITY_FILE})": (self.identity, other.identity),
+            f"query instruction ({INSTRUCTIONS_FILE})": (self.instruction, other.instruction),
+        }
+        return [what for what, (mine, theirs) in pairs.items() if mine != theirs]
 
 
 def load_results(paths: list[str]) -> ResultTable:
@@ -210,7 +237,7 @@ def load_results(paths: list[str]) -> ResultTable:
                 "evaluation first."
             )
         folders.extend(found)
-    sources: dict[tuple[str, str], tuple[Path, object]] = {}
+    sources: dict[tuple[str, str], StoredResult] = {}
     for folder in folders:
         label = _model_label(folder)  # the same checkpoint and settings in several folders is one column
         if label not in table.scores:
@@ -218,17 +245,20 @@ def load_results(paths: list[str]) -> ResultTable:
             table.scores[label] = {}
             table.details[label] = {}
         for file in result_files(folder):
-            result = _read_result(file)
+            stored = StoredResult.read(folder, file)
+            result = stored.result
             seen = sources.get((label, result.task_name))
             if seen is not None:
-                if _same_result(seen[1], result):
+                differences = seen.differences(stored)
+                if not differences:
                     continue
                 raise ValueError(
-                    f"Two different results for {label} on {result.task_name}: {seen[0]} "
-                    f"(score {seen[1].get_score():.6g}, data {seen[1].dataset_revision}) and {file} "
-                    f"(score {result.get_score():.6g}, data {result.dataset_revision}); report one of them."
+                    f"Two different results for {label} on {result.task_name}: {seen.file} "
+                    f"(score {seen.result.get_score():.6g}, data {seen.result.dataset_revision}) and {file} "
+                    f"(score {result.get_score():.6g}, data {result.dataset_revision}) differ in their "
+                    f"{', '.join(differences)}; report one of them."
                 )
-            sources[(label, result.task_name)] = (file, result)
+            sources[(label, result.task_name)] = stored
             table.scores[label][result.task_name] = 100 * float(result.get_score())
             metric = OG_METRIC.get(result.task_name, OG_DEFAULT)
             og = [s["og"][metric] for split in result.scores.values() for s in split if "og" in s]
@@ -339,10 +369,18 @@ def plot(table: ResultTable, out_dir: str) -> list[str]:
 
 
 def write_report(paths: list[str], out_dir: str | None = None) -> tuple[str, ResultTable]:
-    """Markdown table (returned), plus ``report.md``, ``report.csv`` and the PNGs in ``out_dir``.
+    """One results table of several evaluations, models side by side, and its bar charts.
 
-    :param paths: evaluation output folders (or results folders) to put side by side.
-    :param out_dir: where to write the files; None writes nothing.
+    Args:
+        paths: Evaluation output folders (``diffusion-embedder eval --output_dir``) or results folders.
+        out_dir: Where ``report.md``, ``report.csv`` and the PNGs go; None writes nothing.
+
+    Returns:
+        The markdown table, and the table itself.
+
+    Raises:
+        FileNotFoundError: A path that does not exist.
+        ValueError: A result file mteb cannot read, named with its path.
     """
     table = load_results(paths)
     markdown = to_markdown(table)
@@ -365,7 +403,7 @@ def build_parser():
         description="Table and bar charts of evaluation results, models side by side.",
         formatter_class=clihelp.HelpFormatter,
     )
-    parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of mteb_eval_custom.py, or results folders")
+    parser.add_argument("results_dirs", nargs="+", help="output_dir(s) of diffusion-embedder eval, or results folders")
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
     parser.add_argument(
         "--check", action="store_true",
@@ -374,20 +412,35 @@ def build_parser():
     return parser
 
 
+#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads); 1 with
+#: ``--check``, some result file is unreadable (each named); 2 nothing could be reported, the message alone: a
+#: results folder that is missing or holds nothing readable, two results that cannot be merged, an ``--out_dir``
+#: that is a file. Anything else is a bug, with its traceback.
+EXIT_STATUS: dict[type[Exception], int] = {ValueError: 2, FileNotFoundError: 2}  # our readers' errors
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.check:
-            problems = check_results(args.results_dirs)
-            for problem in problems:
-                print(problem)
-            print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
-            return 1 if problems else 0
-        markdown, _ = write_report(args.results_dirs, args.out_dir)
-    except (ValueError, FileNotFoundError) as e:  # our messages: one line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """CLI entry; exit status ``EXIT_STATUS``."""
+    from diffusion_embedder import clihelp
+
+    args = build_parser().parse_args(argv)
+    return clihelp.run_command(lambda: _run(args), EXIT_STATUS)
+
+
+def _run(args) -> int:
+    from diffusion_embedder.clihelp import UsageError
+    from diffusion_embedder.files import folder_problem
+
+    if args.check:
+        problems = check_results(args.results_dirs)
+        for problem in problems:
+            print(problem)
+        print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
+        return 1 if problems else 0
+    problem = folder_problem(args.out_dir, "--out_dir")
+    if problem:  # before any result is read
+        raise UsageError(problem)
+    markdown, _ = write_report(args.results_dirs, args.out_dir)
     print(markdown)
     print(f"Wrote {args.out_dir}/report.md, report.csv and bar charts.")
     return 0

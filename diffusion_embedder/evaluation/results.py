@@ -133,6 +133,15 @@ def check_identity(results_dir: Path, identity: dict) -> None:
     path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
+def recorded_identity(results_dir: Path) -> dict | None:
+    """The weights and settings recorded beside results (``IDENTITY_FILE``, or an older version's
+    ``LEGACY_IDENTITY_FILE``); None where neither is. An unreadable record is a ``ValueError`` naming it."""
+    for name in (IDENTITY_FILE, LEGACY_IDENTITY_FILE):
+        if (results_dir / name).is_file():
+            return read_json_object(results_dir / name)
+    return None
+
+
 def stored_instructions(results_dir: Path) -> dict[str, str]:
     """Task -> query instruction its stored result was scored with; unreadable lines count as no record."""
     path = results_dir / INSTRUCTIONS_FILE

@@ -17,10 +17,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from diffusion_embedder import distributed
+from diffusion_embedder import clihelp, distributed
+from diffusion_embedder.clihelp import UsageError
 from diffusion_embedder.evaluation import sharding
 from diffusion_embedder.evaluation.options import (
+    EXIT_STATUS,
     ModelOptions,
+    check_folder,
+    check_model_options,
     command_parser,
     encoder_overrides,
     option,
@@ -33,6 +37,7 @@ from diffusion_embedder.evaluation.tasks import (
     DEFAULT_QUERY_TEMPLATE,
     resolve_task_names,
 )
+from diffusion_embedder.values import AT_LEAST_ONE
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +51,23 @@ class _EvalOptions(ModelOptions):
     a bool a switch)."""
 
     task_name: list[str] = option([], "mteb task name(s); upstream Bright* names accepted")
-    benchmark: str | None = option(choices=tuple(BENCHMARKS))
+    benchmark: str | None = option(help="every task of a benchmark (all: the three)", choices=tuple(BENCHMARKS))
     local_task: list[str] = option([], "BEIR-format folder(s) to evaluate")
     task_to_instructions_fp: str | None = option(
         help="JSON task -> query instruction (default: the shipped file)")
-    output_dir: str = option("results")
-    max_length_cap: int = option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits")
+    output_dir: str = option("results", "results folder, laid out as mteb's ResultCache reads it")
+    max_length_cap: int = option(DEFAULT_MAX_LENGTH_CAP, "upper bound for LongEmbed length splits",
+                                 bounds=AT_LEAST_ONE)
     top_k: int | None = option(
         help="documents kept per query; default: full candidate ranking for p-MRR tasks and the top "
-             "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation")
+             "1000 otherwise (all @k metrics exact); 200 reproduces the paper's truncation", bounds=AT_LEAST_ONE)
     data_dir: str | None = option(help="folder with datasets downloaded beforehand (clones of the hub repos)")
     query_template: str = option(DEFAULT_QUERY_TEMPLATE, "FollowIR query + instruction format")
     embedding_cache_dir: str | None = option(
         help="document embedding cache (default: OUTPUT_DIR/embedding_cache)")
-    no_embedding_cache: bool = option(False)
+    no_embedding_cache: bool = option(False, "encode every document again instead of reusing cached embeddings")
     overwrite: bool = option(False, "rerun tasks that already have results")
-    save_predictions: bool = option(False)
+    save_predictions: bool = option(False, "also write each task's ranked documents (RESULTS/predictions)")
     model_name: str | None = option(help="results name (default: diffusion_embedder/<checkpoint folder>)")
     revision: str | None = option(help="results revision (default: hash of weights and settings)")
 
@@ -105,8 +111,7 @@ def experiment_kwargs(args: EvalArguments, instructions: dict[str, str]) -> dict
 
 def load_encoder(args: EvalArguments):
     """The checkpoint ``args`` name, with the encoder settings they override, on this rank's device."""
-    if not args.base_model_name_or_path:
-        raise ValueError("--base_model_name_or_path is required.")
+    check_model_options(args, _EvalOptions)
     device, _ = distributed.placement(args.device)
     return sharding.load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                     device, **encoder_overrides(args))
@@ -152,8 +157,29 @@ def task_factories(args: EvalArguments) -> list[tuple[str, Callable]]:
         label = os.path.basename(os.path.normpath(folder))
         factories.append((label, lambda f=folder: load_local_task(f)))
     if not factories:
-        raise ValueError("Nothing to evaluate: give --task_name, --benchmark or --local_task.")
+        raise UsageError("Nothing to evaluate: give --task_name, --benchmark or --local_task.")
     return factories
+
+
+def check_arguments(args: EvalArguments) -> list[tuple[str, Callable]]:
+    """Every flag, before any model loads or any file is written; returns the task factories (``task_factories``:
+    an unknown task or benchmark is refused here, a task's data is read when it runs)."""
+    from diffusion_embedder.evaluation.tasks import load_instructions
+
+    check_model_options(args, _EvalOptions)
+    check_folder(args.output_dir, "--output_dir")
+    check_folder(args.embedding_cache_dir, "--embedding_cache_dir")
+    missing = [folder for folder in args.local_task if not os.path.isdir(folder)]
+    if missing:
+        raise UsageError(f"--local_task: no such folder: {', '.join(missing)} (a BEIR folder: corpus.jsonl, "
+                         "queries.jsonl, qrels/).")
+    try:
+        load_instructions(args.task_to_instructions_fp)
+        return task_factories(args)
+    except UsageError:
+        raise
+    except ValueError as e:  # an unknown task or benchmark, an instructions file that is no JSON object of strings
+        raise UsageError(str(e)) from None
 
 
 def apply_top_k(task, top_k: int | None) -> None:
@@ -203,8 +229,14 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
     return outcome
 
 
+#: ``eval``'s exit statuses (``clihelp.run_command``): 0 every task scored; 1 some task failed (the others still ran,
+#: each failure listed); 2 the run could not start, the message alone (``options.EXIT_STATUS``: a flag, a missing
+#: folder or file, the checkpoint's files). Anything else is a bug, with its traceback.
+EVAL_EXIT_STATUS = EXIT_STATUS
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry; returns a non-zero exit status when any task failed.
+    """CLI entry; exit status ``EVAL_EXIT_STATUS``.
 
     Under torchrun every rank loads the encoder; rank 0 runs mteb and sends the others their chunks of each
     encode call (``sharding.py``), and alone writes results and prints.
@@ -212,8 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     level = logging.INFO if distributed.is_main() else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    distributed.placement(args.device)  # a device pool under torchrun is refused before any process starts waiting
-    factories = task_factories(args)  # task-name errors surface before the model is loaded
+    return clihelp.run_command(lambda: _run(args), EVAL_EXIT_STATUS)
+
+
+def _run(args: EvalArguments) -> int:
+    factories = check_arguments(args)  # before the model loads and before any process starts waiting
     distributed.init()
     try:
         if not distributed.is_main():

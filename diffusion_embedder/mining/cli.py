@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from diffusion_embedder import clihelp, distributed
-from diffusion_embedder.backbones import BackboneConfigError
-from diffusion_embedder.data.jsonl import DataFormatError
-from diffusion_embedder.evaluation.options import command_parser
+from diffusion_embedder.evaluation.encode_corpus import OtherEmbeddings
+from diffusion_embedder.evaluation.options import EXIT_STATUS, command_parser
 from diffusion_embedder.mining.mine import finish, prepare
-from diffusion_embedder.mining.options import MineArguments, MiningError, _MineOptions
+from diffusion_embedder.mining.options import MineArguments, MiningError, _MineOptions, check_options
 
-#: Errors in our own words (bad options, inputs, files, a folder made by another model), each naming what to fix:
-#: exit status 2 and the message alone. Anything else is a bug and keeps its traceback.
-EXIT_STATUS: dict[type[Exception], int] = {
-    MiningError: 2,
-    DataFormatError: 2,
-    FileNotFoundError: 2,
-    BackboneConfigError: 2,
-}
+#: ``mine``'s exit statuses (``clihelp.run_command``): 0 done, or this process's share encoded where other shards
+#: are still to run; 2 the run could not start, the message alone: a flag (``evaluation/options.py``'s
+#: ``EXIT_STATUS``), a rule between flags or a bad input line (``MiningError``, ``DataFormatError``), or an output
+#: folder holding another model's, settings' or inputs' embeddings (``OtherEmbeddings``). Anything else is a bug,
+#: with its traceback.
+MINE_EXIT_STATUS: dict[type[Exception], int] = {**EXIT_STATUS, MiningError: 2, OtherEmbeddings: 2}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,27 +38,25 @@ def parse_args(argv: list[str] | None = None) -> MineArguments:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: every process encodes its share; rank 0 mines and prints the summary."""
+    """CLI entry: every process encodes its share; rank 0 mines and prints the summary. Exit status:
+    ``MINE_EXIT_STATUS``."""
     logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    return clihelp.run_command(lambda: _run(args), MINE_EXIT_STATUS)
+
+
+def _run(args) -> int:
+    check_options(args)  # before any process starts waiting for the others
+    distributed.init()
     try:
-        try:
-            distributed.placement(args.device)  # a device pool under torchrun is refused before any rank waits
-        except ValueError as e:
-            raise MiningError(str(e)) from None
-        distributed.init()
-        try:
-            prepared = prepare(args)
-            distributed.barrier()  # every rank's chunks are written before rank 0 reads them
-        finally:
-            distributed.shutdown()
-        if not distributed.is_main():
-            return 0
-        summary = finish(prepared)
-    except tuple(EXIT_STATUS) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return clihelp.exit_status(e, EXIT_STATUS)
+        prepared = prepare(args)
+        distributed.barrier()  # every rank's chunks are written before rank 0 reads them
+    finally:
+        distributed.shutdown()
+    if not distributed.is_main():
+        return 0
+    summary = finish(prepared)
     if summary.status == "incomplete":
         print(f"Encoded this process's share into {args.output_dir}; other shards still to run (or rerun with "
               "--num_shards 1 to finish), then the negatives are mined.")

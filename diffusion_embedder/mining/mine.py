@@ -20,7 +20,7 @@ from diffusion_embedder import distributed
 from diffusion_embedder.evaluation.encode_corpus import (
     Corpus,
     EncodeStats,
-    check_folder,
+    check_manifest,
     chunk_name,
     encode_chunks,
     store_manifest,
@@ -76,25 +76,17 @@ def prepare(args, encoder=None) -> Prepared:
     stores are this model's, settings' and inputs', then encode this process's share of both."""
     check_options(args)
     inputs = read_inputs(args)
-    try:
-        load_device, encode_device = distributed.placement(args.device)
-    except ValueError as e:
-        raise MiningError(str(e)) from None
+    load_device, encode_device = distributed.placement(args.device)
     world = distributed.world_size()
     shard, num_shards = args.shard_index * world + distributed.rank(), args.num_shards * world
     if encoder is None:
-        if not args.base_model_name_or_path:
-            raise MiningError("--base_model_name_or_path is required.")
         encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                   load_device, **encoder_overrides(args))
     folders = {name: os.path.join(args.output_dir, name) for name in STORES}
     manifests = {name: store_manifest(encoder, _corpus(inputs, name), args.chunk_size, args.base_model_name_or_path,
                                       args.peft_model_name_or_path, num_shards) for name in STORES}
     for name in STORES:
-        try:
-            check_folder(folders[name], manifests[name])
-        except ValueError as e:
-            raise MiningError(str(e)) from None
+        check_manifest(folders[name], manifests[name])
     made = output.manifest(args, manifests, inputs.pairs_fingerprint, len(inputs.records))
     prepared = Prepared(args, inputs, manifests, made, encoder.config.similarity_fn_name, str(encoder.device))
     prepared.reused = output.reusable(args.output_dir, made)
@@ -188,16 +180,33 @@ def finish(prepared: Prepared) -> MiningSummary:
 
 def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, *, encoder=None,
                         **options) -> MiningSummary:
-    """Mine hard negatives for ``pairs`` from ``corpus`` into ``output_dir/negatives.jsonl`` in this process.
+    """Mine hard negatives for ``pairs`` from ``corpus`` into ``output_dir/negatives.jsonl``, in this process.
 
-    :param pairs: a JSONL of (query, positive[, instruction]) records (our custom training format or any JSONL whose
-        fields ``query_field``, ``positive_field``, ``instruction_field`` name).
-    :param output_dir: where the negatives, their manifest and the two embedding stores go.
-    :param corpus: a JSONL of candidate documents (default: the pairs' positives).
-    :param encoder: an ``Encoder`` already loaded; default: loaded from ``base_model_name_or_path`` (and
-        ``peft_model_name_or_path``, ``torch_dtype``, any encoder setting) as ``diffusion-embedder mine`` loads it.
-    :param options: any other ``diffusion-embedder mine`` option by its name (``num_negatives=3``,
-        ``relative_margin=0.05``, ``sampling="top"``, ...), with the same defaults.
+    The notebook form of ``diffusion-embedder mine``: the same checks, stores, filters and output, and the same
+    reuse rule (a rerun with the same model, settings and inputs returns the negatives on disk).
+
+    Args:
+        pairs: A JSONL of (query, positive[, instruction]) records: our custom training format, or any JSONL whose
+            fields ``query_field``, ``positive_field`` and ``instruction_field`` name.
+        output_dir: Where the negatives, their manifest and the two embedding stores (``documents/``,
+            ``queries/``) go.
+        corpus: A JSONL of candidate documents (a BEIR ``corpus.jsonl`` or any JSONL with ``id_field`` and
+            ``text_field``); None mines from the pairs' own positives.
+        encoder: An ``Encoder`` already loaded; None loads ``base_model_name_or_path`` (with
+            ``peft_model_name_or_path``, ``torch_dtype`` and any encoder setting) as ``diffusion-embedder mine``
+            loads it.
+        **options: Any other ``diffusion-embedder mine`` option by its name (``num_negatives=3``,
+            ``relative_margin=0.05``, ``sampling="top"``, ...), with the command's defaults and checks.
+
+    Returns:
+        What was done: ``status`` (``mined`` or ``reused``), the negatives' path, records written and dropped, and
+        the dropped candidates by reason.
+
+    Raises:
+        MiningError: An option outside its rules or an unknown option name.
+        OptionError: A value that does not fit its option (type, choices, range).
+        DataFormatError: A bad line in ``pairs`` or ``corpus``, named by file and line.
+        OtherEmbeddings: ``output_dir`` holds the embeddings of another model, settings or inputs.
     """
     fields = {"pairs": pairs, "output_dir": output_dir, "corpus": corpus, **options}
     if encoder is not None and not fields.get("base_model_name_or_path"):

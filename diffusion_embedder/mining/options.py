@@ -1,27 +1,34 @@
 """``mine``'s options, each defined once (a dataclass field, its flag derived), and their checks.
 
 Every check here runs before the model loads or any file is written: a bad value stops the run naming the flag
-and the value. The filters have sentence-transformers' names and meanings (``util.mine_hard_negatives``).
+and the value. Each value is read and checked as every other command's are (``values``: its type, choices and
+range); the rules between options are here. The filters have sentence-transformers' names and meanings
+(``util.mine_hard_negatives``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from diffusion_embedder.evaluation.options import (
     CorpusFieldOptions,
     ModelOptions,
     ShardOptions,
+    check_folder,
+    check_model_options,
     option,
     with_encoder_settings,
 )
-from diffusion_embedder.files import folder_problem
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, Bounds
 
 #: ``--sampling``: the first ``num_negatives`` of the window, or ``num_negatives`` of it drawn with ``--seed``.
 SAMPLINGS = ("top", "random")
 #: ``--search``: exact blocked top-k (torch, on the encoding device), or a FAISS index (the ``[faiss]`` extra).
 SEARCHES = ("exact", "faiss")
+#: ``--relative_margin``: a fraction of the positive's score, 0 (inclusive) to 1 (exclusive).
+FRACTION: Bounds = ((0, True), (1, False))
+#: ``--max_score``/``--min_score``: unbounded, but a range all the same, so NaN is refused (``values.range_problem``).
+ANY_NUMBER: Bounds = (None, None)
 
 
 class MiningError(ValueError):
@@ -44,25 +51,31 @@ class MiningOptions:
                                                    "it; '' for none")
     positive_id_field: str | None = option(help="the positive's --corpus id (where a record has it), excluded from "
                                                 "its query's negatives like its text (default: by text only)")
-    num_negatives: int = option(3, "negatives per record")
-    range_min: int = option(0, "skip the first range_min candidates left after the filters")
-    range_max: int = option(50, "consider only the first range_max candidates left after the filters")
+    num_negatives: int = option(3, "negatives per record", bounds=AT_LEAST_ONE)
+    range_min: int = option(0, "skip the first range_min candidates left after the filters", bounds=AT_LEAST_ZERO)
+    range_max: int = option(50, "consider only the first range_max candidates left after the filters",
+                            bounds=AT_LEAST_ONE)
     relative_margin: float | None = option(0.05, "drop a candidate scoring above positive - |positive| * margin "
-                                                 "(NV-Retriever's rule: 0.05 keeps 95 percent); 'none': off")
-    absolute_margin: float | None = option(help="drop a candidate scoring above positive - margin; 'none': off")
-    max_score: float | None = option(help="drop a candidate scoring above this; 'none': off")
-    min_score: float | None = option(help="drop a candidate scoring below this; 'none': off")
+                                                 "(NV-Retriever's rule: 0.05 keeps 95 percent); null: off",
+                                           bounds=FRACTION)
+    absolute_margin: float | None = option(help="drop a candidate scoring above positive - margin; null: off",
+                                           bounds=AT_LEAST_ZERO)
+    max_score: float | None = option(help="drop a candidate scoring above this; null: off",
+                                     bounds=ANY_NUMBER)
+    min_score: float | None = option(help="drop a candidate scoring below this; null: off",
+                                     bounds=ANY_NUMBER)
     sampling: str = option("top", "top: the best num_negatives of the window; random: drawn from it with --seed",
                            choices=SAMPLINGS)
     seed: int = option(42, "seed of --sampling random (each query draws from its own stream)")
     keep_fewer: bool = option(False, "keep a record with fewer than num_negatives negatives (default: dropped)")
     output_scores: bool = option(False, "also write each record's positive_score, negative_scores and "
                                         "negative_ranks")
-    search: str = option("exact", choices=SEARCHES)
+    search: str = option("exact", "exact: every score, in blocks; faiss: a FAISS index (the [faiss] extra)",
+                         choices=SEARCHES)
     faiss_index: str = option("Flat", "FAISS index factory string for --search faiss (Flat: exact)")
     query_block_size: int = option(1024, "queries scored at once: with document_block_size, bounds the search's "
-                                         "memory")
-    document_block_size: int = option(16384, "documents scored at once")
+                                         "memory", bounds=AT_LEAST_ONE)
+    document_block_size: int = option(16384, "documents scored at once", bounds=AT_LEAST_ONE)
 
 
 @dataclass
@@ -75,25 +88,15 @@ class _MineOptions(MiningOptions, ShardOptions, CorpusFieldOptions, ModelOptions
 MineArguments = with_encoder_settings(_MineOptions, "MineArguments", __name__)
 
 
-def _number(name: str, value, low: float | None = None, high: float | None = None, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or (not integer and not math.isfinite(value)):
-        raise MiningError(f"--{name}: expected {'an integer' if integer else 'a finite number'}, got {value!r}.")
-    if (low is not None and value < low) or (high is not None and value >= high):
-        where = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise MiningError(f"--{name} {value!r}: must be {where}.")
-
-
 def check_options(args) -> None:
-    """Every mining option in range and consistent with the others; ``MiningError`` names the flag and value."""
+    """Every ``mine`` option, before the model loads or anything is written: each value as its flag reads it (the
+    model's too: a checkpoint, devices this machine has), then the rules between them (``MiningError`` names the
+    flags and values)."""
+    check_model_options(args, _MineOptions)
     for name in ("pairs", "output_dir"):
         if not getattr(args, name):
             raise MiningError(f"--{name} is required.")
-    for name in ("num_negatives", "range_max", "query_block_size", "document_block_size", "num_shards",
-                 "chunk_size", "batch_size"):
-        _number(name, getattr(args, name), 1, integer=True)
-    _number("range_min", args.range_min, 0, integer=True)
-    _number("seed", args.seed, integer=True)
+    check_folder(args.output_dir, "--output_dir")
     if args.range_min >= args.range_max:
         raise MiningError(f"--range_min {args.range_min} must be below --range_max {args.range_max}.")
     if args.num_negatives > args.range_max - args.range_min:
@@ -101,23 +104,10 @@ def check_options(args) -> None:
                           f"{args.range_max} - --range_min {args.range_min} = {args.range_max - args.range_min}.")
     if not 0 <= args.shard_index < args.num_shards:
         raise MiningError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
-    if args.relative_margin is not None:
-        _number("relative_margin", args.relative_margin, 0, 1)
-    if args.absolute_margin is not None:
-        _number("absolute_margin", args.absolute_margin, 0)
-    for name in ("max_score", "min_score"):
-        if getattr(args, name) is not None:
-            _number(name, getattr(args, name))
     if args.max_score is not None and args.min_score is not None and args.min_score > args.max_score:
         raise MiningError(f"--min_score {args.min_score} is above --max_score {args.max_score}: nothing could pass.")
-    for name, value, allowed in (("sampling", args.sampling, SAMPLINGS), ("search", args.search, SEARCHES)):
-        if value not in allowed:
-            raise MiningError(f"--{name} {value!r}: choose one of {', '.join(allowed)}.")
     if not args.query_field or not args.positive_field:
         raise MiningError("--query_field and --positive_field must name fields of --pairs.")
-    problem = folder_problem(args.output_dir, "--output_dir")
-    if problem:
-        raise MiningError(problem)
     if args.search == "faiss":
         try:
             import faiss  # noqa: F401

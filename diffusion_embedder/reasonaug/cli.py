@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffusion_embedder import clihelp
+from diffusion_embedder.clihelp import UsageError
 from diffusion_embedder.data.jsonl import DataFormatError, Field
+from diffusion_embedder.files import folder_problem
 from diffusion_embedder.reasonaug.concepts import load_concepts
 from diffusion_embedder.reasonaug.contamination import (
     check_threshold,
@@ -35,6 +37,7 @@ from diffusion_embedder.reasonaug.pipeline import (
 from diffusion_embedder.reasonaug.prompts import render_prompt_card
 from diffusion_embedder.reasonaug.rebuild import dataset_stats, load_generation, stats_markdown, update_card
 from diffusion_embedder.reasonaug.triplets import TripletConfig, build_split, build_triplets
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, Bounds, text_type
 
 #: Exit status of a ``--batch`` stage that wrote its request files and waits for the uploaded batches' outputs.
 EXIT_AWAITING_BATCH = 3
@@ -48,53 +51,73 @@ TRAIN_FILE = "ReasonAug_train.jsonl.gz"
 HELDOUT_FILE = "ReasonAug_heldout.jsonl.gz"
 
 
+def _number(name: str, tp: type = int, bounds: Bounds | None = None):
+    """argparse ``type=`` for a numeric flag: read as a config value would be, checked against ``bounds``."""
+    return text_type(name, tp, bounds=bounds)
+
+
+#: ``--heldout-fraction``: 0 (triplets: no split) up to, not including, 1.
+FRACTION: Bounds = ((0, True), (1, False))
+
+
 def _add_stage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", type=Path, required=True, help="folder for batch files and parsed JSONL")
-    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
-    p.add_argument("--model", default=None, help="default: $REASONAUG_MODEL or gpt-4o-mini")
-    p.add_argument("--rounds", type=int, default=8, help="problem/solution rounds per concept")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-regenerations", type=int, default=2, help="re-asks for a malformed answer")
-    p.add_argument("--concurrency", type=int, default=None, help="default: $REASONAUG_CONCURRENCY or 8")
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"), help="the concept list (JSONL)")
+    p.add_argument("--model", default=None, help="the LLM asked (default: $REASONAUG_MODEL or gpt-4o-mini)")
+    p.add_argument("--rounds", type=_number("rounds", bounds=AT_LEAST_ONE), default=8,
+                   help="problem/solution rounds per concept")
+    p.add_argument("--seed", type=_number("seed"), default=0,
+                   help="seeds each prompt's random choices and the triplets' sampling")
+    p.add_argument("--max-regenerations", type=_number("max_regenerations", bounds=AT_LEAST_ZERO), default=2,
+                   help="re-asks for a malformed answer")
+    p.add_argument("--concurrency", type=_number("concurrency", bounds=AT_LEAST_ONE), default=None,
+                   help="requests in flight at once (default: $REASONAUG_CONCURRENCY or 8)")
     p.add_argument(
         "--batch",
         action="store_true",
         help="do not call an endpoint: write the Batch-API input file and parse an output file placed next to it",
+    )
+    p.add_argument(
+        "--allow-missing-definitions", "--allow_missing_definitions", action="store_true",
+        help="build from the concepts that have a definition when the 'definitions' stage failed for some (they are "
+             "listed and left out); without it such a partial set is refused",
     )
 
 
 def _add_triplets_args(p: argparse.ArgumentParser) -> None:
     _add_stage_args(p)
     p.add_argument("--out", type=Path, required=True, help="output JSONL (.jsonl or .jsonl.gz)")
-    p.add_argument("--heldout-fraction", type=float, default=0.0, help="> 0: also write _train/_heldout files")
+    p.add_argument("--heldout-fraction", type=_number("heldout_fraction", float, FRACTION), default=0.0,
+                   help="> 0: also write _train/_heldout files")
     p.add_argument("--with-generated", action="store_true", help="append records of the 'negatives' stage")
 
 
 def _add_rebuild_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"))
-    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"))
-    p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"))
-    p.add_argument("--heldout-fraction", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generation", type=Path, default=Path("ReasonAug/generation"),
+                   help="folder of the upstream generation files (batch inputs and outputs)")
+    p.add_argument("--concepts", type=Path, default=Path("ReasonAug/concepts.jsonl"), help="the concept list (JSONL)")
+    p.add_argument("--out-dir", type=Path, default=Path("ReasonAug"),
+                   help="where the train and held-out files, split.json and stats.json go")
+    p.add_argument("--heldout-fraction", default=0.2, help="share of each domain's concepts held out",
+                   type=_number("heldout_fraction", float, ((0, False), (1, False))))
+    p.add_argument("--seed", type=_number("seed"), default=0,
+                   help="seeds the triplets' sampling and the held-out split")
     p.add_argument("--card", type=Path, default=None, help="data card whose stats block is rewritten")
     p.add_argument("--full", type=Path, default=None, help="also write the all-concept set (one BM25 pool)")
 
 
 def _add_contamination_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
-    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--input", type=Path, required=True, help="triplets JSONL to check")
+    p.add_argument("--output", type=Path, required=True, help="the triplets kept (JSONL)")
+    p.add_argument("--report", type=Path, required=True, help="JSON report of the queries removed")
     p.add_argument("--benchmark", type=Path, default=None, help=".jsonl ('query' field), .json list or .txt")
     p.add_argument("--bright", default=None, help="BRIGHT dataset name or local path, e.g. xlangai/BRIGHT")
-    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--threshold", type=float, default=0.7,  # "nan" too: check_threshold refuses it by name
+                   help="difflib similarity ratio at or above which a query counts as a duplicate")
 
 
 def _add_prompts_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"))
-
-
-class UsageError(Exception):
-    """A problem with how the command was called, found before anything is sent or written."""
+    p.add_argument("--out", type=Path, default=Path("ReasonAug/prompts.md"), help="the card to write (markdown)")
 
 
 def _client(args: argparse.Namespace) -> ChatClient | None:
@@ -109,10 +132,26 @@ def _client(args: argparse.Namespace) -> ChatClient | None:
     return ChatClient(config)
 
 
+def _folder(path: Path | None, flag: str) -> None:
+    """A folder the command writes into: refused, before anything is sent or written, if it (or one above) is a file."""
+    problem = folder_problem(path, flag) if path is not None else None
+    if problem:
+        raise UsageError(problem)
+
+
+def _output_file(path: Path | None, flag: str) -> None:
+    """A file the command writes: refused if it is a folder or its folder cannot be made."""
+    if path is not None and path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder, not a file; name a file.")
+    _folder(None if path is None else path.parent, f"the folder of {flag}")
+
+
 def _stage_config(args: argparse.Namespace) -> StageConfig:
+    _folder(args.workdir, "--workdir")
     model = args.model or ClientConfig.from_env().model
     triplets = TripletConfig(seed=args.seed)
-    return StageConfig(args.workdir, model, args.rounds, args.seed, args.max_regenerations, triplets)
+    return StageConfig(args.workdir, model, args.rounds, args.seed, args.max_regenerations, triplets,
+                       args.allow_missing_definitions)
 
 
 def _suffixed(path: Path, suffix: str) -> Path:
@@ -145,13 +184,19 @@ def _llm_stage(stage: Stage, args: argparse.Namespace) -> int:
 
 
 def _triplets(args: argparse.Namespace) -> int:
+    _output_file(args.out, "--out")
     cfg = _stage_config(args)
-    data = load_concept_data(cfg, load_concepts(args.concepts))
+    concepts = load_concepts(args.concepts)
+    data = load_concept_data(cfg, concepts)
     generated = []
     if args.with_generated:
         generated = read_stage_output(cfg, "negatives")
     records = _numbered(build_triplets(data, cfg.triplets) + generated)
     print(f"{write_jsonl(args.out, records)} records -> {args.out}")
+    defined = {c.instance for c in data}
+    missing = [c.instance for c in concepts if c.instance not in defined]
+    if missing:  # the user allowed it (--allow-missing-definitions): the output says which concepts it lacks
+        print(f"left out, no definition (--allow-missing-definitions): {', '.join(missing)}")
     if args.heldout_fraction > 0:
         train, heldout, _, held_names = build_split(data, cfg.triplets, args.heldout_fraction)
         held = set(held_names)
@@ -164,6 +209,8 @@ def _triplets(args: argparse.Namespace) -> int:
 
 
 def _rebuild(args: argparse.Namespace) -> int:
+    _folder(args.out_dir, "--out-dir")
+    _output_file(args.full, "--full")
     concepts = load_concepts(args.concepts)
     data, report = load_generation(args.generation, concepts)
     tconfig = TripletConfig(seed=args.seed)
@@ -200,6 +247,8 @@ def _contamination(args: argparse.Namespace) -> int:
         check_threshold(args.threshold)
     except ValueError as e:
         raise UsageError(f"--threshold: {e}") from None
+    _output_file(args.output, "--output")
+    _output_file(args.report, "--report")
     records = [r for _, r in read_jsonl(args.input, [Field("user_query")])]
     benchmark = load_benchmark_queries(args.benchmark) if args.benchmark else load_bright_queries(args.bright)
     kept, report = remove_contaminated(records, benchmark, args.threshold)
@@ -211,6 +260,7 @@ def _contamination(args: argparse.Namespace) -> int:
 
 
 def _prompts(args: argparse.Namespace) -> int:
+    _output_file(args.out, "--out")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render_prompt_card(), encoding="utf-8")
     print(f"prompt templates -> {args.out}")

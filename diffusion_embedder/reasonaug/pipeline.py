@@ -65,6 +65,7 @@ class StageConfig:
     seed: int = 0
     max_regenerations: int = 2
     triplets: TripletConfig | None = None  # the negatives stage's ring draws (None: ``TripletConfig()``)
+    allow_missing_definitions: bool = False  # else a concept without a definition stops ``load_concept_data``
 
     def __post_init__(self):
         self.workdir = Path(self.workdir)
@@ -254,26 +255,21 @@ def load_concept_data(cfg: StageConfig, concepts: list[Concept]) -> list[Concept
     for p in read_stage_output(cfg, "check-solutions"):
         pairs.setdefault(p["instance"], []).append(p)
     undefined = [repr(c.instance) for c in concepts if c.instance not in definitions]
-    if concepts and len(undefined) == len(concepts):  # a failed 'definitions' stage: say so, not "no pairs" later
-        raise StageOutputMissing(f"{cfg.parsed('definitions')} has no definition for any of the {len(concepts)} "
-                                 f"concepts ({', '.join(undefined[:5])}{', ...' * (len(undefined) > 5)}): rerun the "
-                                 "'definitions' stage until it ends without failed requests, then the stages after it")
+    partial = len(undefined) < len(concepts)  # none at all: a failed 'definitions' stage, never allowed
+    if undefined and not (partial and cfg.allow_missing_definitions):  # a partial set is the user's decision
+        allow = "; or pass --allow-missing-definitions to build without them" if partial else ""
+        raise StageOutputMissing(
+            f"{cfg.parsed('definitions')} has no definition for {len(undefined) if partial else 'any'} of the "
+            f"{len(concepts)} concepts ({', '.join(undefined[:5])}{', ...' * (len(undefined) > 5)}): rerun the "
+            f"'definitions' stage until it ends without failed requests, then the stages after it{allow}")
+    if undefined:
+        logger.warning("No definition for %d of the %d concepts, left out (--allow-missing-definitions): %s",
+                       len(undefined), len(concepts), ", ".join(undefined))
     data = []
-    for c in concepts:
-        if c.instance not in definitions:
-            logger.warning("%s: no definition; concept skipped", c.instance)
-            continue
+    for c in (c for c in concepts if c.instance in definitions):
         ps = sorted(pairs.get(c.instance, []), key=lambda p: p["round"])
-        data.append(
-            ConceptData(
-                c.instance,
-                c.domain,
-                c.question_type,
-                definitions[c.instance],
-                tuple(p["problem"] for p in ps),
-                tuple(p["solution"] for p in ps),
-            )
-        )
+        data.append(ConceptData(c.instance, c.domain, c.question_type, definitions[c.instance],
+                                tuple(p["problem"] for p in ps), tuple(p["solution"] for p in ps)))
     return data
 
 

@@ -10,21 +10,21 @@ stages' ``LMStageArguments`` (``lm.py``) build on the same shared groups.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from transformers import TrainingArguments
 
 from diffusion_embedder.config import field_types as encoder_field_types
-from diffusion_embedder.config import matches_type, setting_fields
+from diffusion_embedder.config import setting_fields
 from diffusion_embedder.data import DATASET_READERS
 from diffusion_embedder.data.batching import GROUP_BY
 from diffusion_embedder.dtypes import TORCH_DTYPES
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.losses import LOSSES
-from diffusion_embedder.training.fsdp import lora_stage_rules
+from diffusion_embedder.training import liger
+from diffusion_embedder.training.fsdp import LORA_STAGE_REFUSAL, lora_stage_rules
 from diffusion_embedder.training.rows import row_rules
 from diffusion_embedder.training.schema import (
     TRAINING_DEFAULTS,
@@ -34,6 +34,7 @@ from diffusion_embedder.training.schema import (
     field_aliases,
     field_table,
 )
+from diffusion_embedder.values import from_text, matches_type
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "varlen")
@@ -178,7 +179,7 @@ class CustomArguments(RunArguments, LoraArguments):
     simcse_dropout: float | None = field(
         default=None, metadata={"help": "Backbone attention dropout (SimCSE's two views; upstream 0.3)."}
     )
-    pack_length: int | str | None = field(
+    pack_length: int | Literal["auto"] | None = field(
         default="auto",
         metadata={
             "help": "Padding-free training: pack each text column into rows of at most this many tokens (on CUDA "
@@ -189,7 +190,8 @@ class CustomArguments(RunArguments, LoraArguments):
 
 
 ARGUMENT_CLASSES = (ModelArguments, DataArguments, CustomArguments, TrainingArguments)
-SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules, row_rules))
+SUPERVISED = StageSchema(ARGUMENT_CLASSES, rules=(lora_stage_rules, row_rules, liger.config_problems),
+                         refused={"fsdp": LORA_STAGE_REFUSAL, "fsdp_config": LORA_STAGE_REFUSAL})
 
 
 @dataclass
@@ -203,24 +205,10 @@ class TrainConfig:
     values: dict[str, Any]
 
 
-def _parse_cli_value(raw: str, tp: Any) -> Any:
-    """A ``--key value`` string as the field's type: JSON first (numbers, true/false, null, lists)."""
-    lowered = raw.strip().lower()
-    if matches_type(True, tp) and lowered in ("true", "yes", "1", "false", "no", "0"):
-        return lowered in ("true", "yes", "1")
-    if lowered == "null" or (lowered == "none" and not matches_type("none", tp)):
-        return None  # "none" stays a string where one is allowed (report_to none)
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        return raw
-    if matches_type(value, tp):
-        return value
-    return raw if matches_type(raw, tp) else value
-
-
 def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSES) -> dict[str, Any]:
-    """``["--lr", "1e-4", "--bf16", "--x=1"]`` -> values typed by the fields they name (unknown keys kept raw)."""
+    """``["--lr", "1e-4", "--bf16", "--x=1"]`` -> values typed by the fields they name (``values.from_text``: the
+    value the same text means in the JSON config; unknown keys kept raw), under the names given (an upstream or
+    other-release spelling is renamed with the config's, so errors name it as given). A bare ``--flag`` is true."""
     table, aliases = field_table(classes), field_aliases(classes)
     out: dict[str, Any] = {}
     i = 0
@@ -230,8 +218,8 @@ def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSE
             raise ConfigError(f"Expected --key value after the config path, got {token!r}.")
         key, eq, raw = token[2:].partition("=")
         key = key.replace("-", "_")
-        key = aliases.get(key, key)  # overrides come out under the names the fields have
-        tp = table[key][2] if key in table else str
+        field_name = aliases.get(key, key)
+        tp = table[field_name][2] if field_name in table else str
         if not eq:
             has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
             if not has_value:
@@ -242,7 +230,7 @@ def parse_overrides(argv: list[str], classes: tuple[type, ...] = ARGUMENT_CLASSE
                 continue
             raw = argv[i + 1]
             i += 1
-        out[key] = _parse_cli_value(raw, tp)
+        out[key] = from_text(raw, tp)
         i += 1
     return out
 
@@ -254,7 +242,7 @@ def read_config_values(
     values = read_json_object(path, ConfigError)
     overridden = parse_overrides(overrides or [], classes)
     for alias, canonical in field_aliases(classes).items():  # an override replaces the setting under either name
-        if canonical in overridden:
+        if canonical in overridden or alias in overridden:
             values.pop(alias, None)
             values.pop(canonical, None)
     values.update(overridden)

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from diffusion_embedder.files import read_json_object
-from diffusion_embedder.training.schema import ConfigError
+from diffusion_embedder.training.schema import ConfigError, is_set
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ class ShardingError(ConfigError):
 
 def requested(values: dict[str, Any]) -> bool:
     """Whether a config asks for FSDP (``fsdp`` true or a non-empty word list)."""
-    fsdp = values.get("fsdp")
-    return bool(fsdp.strip()) if isinstance(fsdp, str) else bool(fsdp)
+    return is_set(values.get("fsdp"))
 
 
 def fsdp_config_of(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -168,19 +167,20 @@ def lm_stage_rules(values: dict[str, Any]) -> list[str]:
     return errors
 
 
+#: Why the supervised and SimCSE stages refuse ``fsdp`` and ``fsdp_config`` (their ``StageSchema.refused``): a LoRA
+#: over a frozen base fits one GPU per process (7B in bf16 is about 15 GiB) and trains with DDP.
+LORA_STAGE_REFUSAL = (
+    "it trains a LoRA over a frozen base, which fits one GPU per process: torchrun alone trains it with DDP; FSDP is "
+    "for the LM stages with full_training: true"
+)
+
+
 def lora_stage_rules(values: dict[str, Any]) -> list[str]:
-    """The supervised and SimCSE stages refuse FSDP: they train LoRA over a frozen base, which fits one GPU per
-    process (7B in bf16 is about 15 GiB) and trains with DDP; GradCache under FSDP is refused for its own reason."""
-    errors = config_problems(values)
-    if requested(values):
-        errors.append(
-            f"fsdp: {values['fsdp']!r} is not supported by this stage (it trains a LoRA over a frozen base, which "
-            "fits one GPU per process: torchrun alone trains it with DDP; FSDP is for the LM stages with "
-            "full_training: true)"
-        )
-        if values.get("grad_cache_chunk_size"):
-            errors.append(f"grad_cache_chunk_size with fsdp: {GRAD_CACHE_RULE}")
-    return errors
+    """The supervised and SimCSE stages refuse ``fsdp`` and ``fsdp_config`` (their ``refused``); GradCache under FSDP
+    is named too, as it is refused for its own reason."""
+    if requested(values) and values.get("grad_cache_chunk_size"):
+        return [f"grad_cache_chunk_size with fsdp: {GRAD_CACHE_RULE}"]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------- at run time

@@ -5,15 +5,16 @@ The Trainer applies Liger only to a ``PreTrainedModel`` (or peft around one) and
 ``Encoder`` it would do nothing; this module applies it to the backbone under the adapter instead, and clears the
 flag so the Trainer does not try again. Liger patches the family's classes in transformers (every model of that
 family in the process), and the instance's modules. What cannot be honoured stops the run naming the field: the
-package missing (it needs triton, so a CUDA machine), a family Liger has no kernels for here, or a loss kernel asked
-for in ``liger_kernel_config`` (our LM losses read the logits at the masked positions: Liger's fused linear
-cross-entropy is not wired to them).
+package missing (it needs triton, so a CUDA machine) and a loss kernel asked for in ``liger_kernel_config`` (our LM
+losses read the logits at the masked positions: Liger's fused linear cross-entropy is not wired to them) with the
+config, before any model loads; a family Liger has no kernels for here once the model is loaded.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
 from torch import nn
 
@@ -35,6 +36,17 @@ NOT_WIRED = ("cross_entropy", "fused_linear_cross_entropy")
 INSTALL = "pip install 'diffusion-embedder[liger]' (liger-kernel needs triton, i.e. a CUDA machine)"
 
 
+def config_problems(values: dict[str, Any]) -> list[str]:
+    """A kernel of ``liger_kernel_config`` that is not wired to our losses, refused with the config (before any model
+    loads; every stage's rules); ``apply_liger`` checks the family once the model is there."""
+    options = values.get("liger_kernel_config")
+    asked = [name for name in NOT_WIRED if isinstance(options, dict) and options.get(name)]
+    if not asked:
+        return []
+    return [f"liger_kernel_config: {', '.join(asked)} is not wired to our losses (they read the logits at the "
+            "masked positions); leave it false"]
+
+
 def apply_liger(model: nn.Module, training_args) -> str | None:
     """Liger's kernels on ``model``'s backbone if ``use_liger_kernel``; returns the family function applied."""
     if not getattr(training_args, "use_liger_kernel", False):
@@ -44,11 +56,7 @@ def apply_liger(model: nn.Module, training_args) -> str | None:
     if model_type not in LIGER_FAMILIES:
         raise ConfigError(f"use_liger_kernel: Liger Kernel is not wired for the {model_type!r} family (wired: "
                           f"{', '.join(LIGER_FAMILIES)}); set use_liger_kernel: false")  # fmt: skip
-    options = {**KERNELS, **(training_args.liger_kernel_config or {})}
-    asked = [name for name in NOT_WIRED if options.get(name)]
-    if asked:
-        raise ConfigError(f"liger_kernel_config: {', '.join(asked)} is not wired to our losses (they read the "
-                          "logits at the masked positions); leave it false")  # fmt: skip
+    options = {**KERNELS, **(training_args.liger_kernel_config or {})}  # NOT_WIRED ones refused with the config
     try:
         module = importlib.import_module("liger_kernel.transformers")
     except ImportError as err:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers import TrainingArguments
 
-from diffusion_embedder import backbones
+from diffusion_embedder import backbones, clihelp
 from diffusion_embedder.compilation import compile_layers
 from diffusion_embedder.data import load_text_blocks, read_texts
 from diffusion_embedder.data.text import MIN_BLOCK_LENGTH
@@ -48,6 +48,7 @@ from diffusion_embedder.training.arguments import (
 from diffusion_embedder.training.checkpointing import activation_bytes, enable_checkpointing
 from diffusion_embedder.training.fsdp import lm_stage_rules
 from diffusion_embedder.training.liger import apply_liger
+from diffusion_embedder.training.liger import config_problems as liger_problems
 from diffusion_embedder.training.lm_head import head_loss
 from diffusion_embedder.training.lora import add_lora, log_trainable
 from diffusion_embedder.training.runner import (
@@ -64,9 +65,9 @@ from diffusion_embedder.training.trainer import RunTrainer
 logger = logging.getLogger(__name__)
 
 USAGE = (
-    "usage: [torchrun --nproc_per_node=N] experiments/run_mntp.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: LM-stage fields (objective mntp | mdm | clm, data, masking, LoRA) and Hugging Face "
-    "TrainingArguments (see train_configs/mntp/, train_configs/tiny/mntp.json)."
+    f"{clihelp.config_usage('mntp')}\n"
+    "CONFIG.json: LM-stage fields (objective mntp | mdm | clm, data, masking, LoRA) and\n"
+    "Hugging Face TrainingArguments (see train_configs/mntp/, train_configs/tiny/mntp.json)."
 )
 
 
@@ -118,7 +119,7 @@ LM_STAGE = StageSchema(
         "mlm_probability": ((0, False), (1, True)),
         "mdm_eps": ((0, False), (1, False)),
     },
-    rules=(lm_stage_rules, data_problems),
+    rules=(lm_stage_rules, data_problems, liger_problems),
 )
 
 

@@ -28,40 +28,48 @@ logger = logging.getLogger(__name__)
 AUTO_PACK_LENGTH = packing.MAX_ROW_LENGTH["cuda"]
 
 
-def _dropout_problem(config) -> str | None:
+def _dropout_problem(config, simcse_dropout: float | None = None) -> str | None:
+    """Why the model's attention dropout keeps a training forward off the varlen kernel, naming where it was set:
+    SimCSE's ``simcse_dropout``, or the model's own config (LLaDA's default is 0.1 where config.json has none)."""
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if not dropout:
         return None
-    return f"the model trains with attention dropout {dropout} (simcse_dropout), and the varlen kernel has none"
+    if simcse_dropout:
+        return f"simcse_dropout {simcse_dropout} is the model's attention dropout, and the varlen kernel has none"
+    source = getattr(config, "_name_or_path", "") or "the model"
+    return (f"the model's own config sets attention_dropout {dropout} ({source}/config.json), and the varlen kernel "
+            "has none; set it to 0.0 there to train on varlen")
 
 
-def varlen_problem(model: nn.Module) -> str | None:
+def varlen_problem(model: nn.Module, simcse_dropout: float | None = None) -> str | None:
     """Why a training forward of ``model`` cannot run on the varlen kernel; None when it can."""
     weight = model.get_input_embeddings().weight
     return (
         varlen.kernel_problem(weight.device, weight.dtype, varlen.head_dim(model.config))
         or varlen.config_problem(model.config)
-        or _dropout_problem(model.config)
+        or _dropout_problem(model.config, simcse_dropout)
     )
 
 
-def training_rows(pack_length: int | str | None, encoder: nn.Module) -> int | None:
-    """The run's pack length (None: padded), resolved from the config's; switches packed sdpa rows on CUDA to varlen."""
+def training_rows(pack_length: int | str | None, encoder: nn.Module, simcse_dropout: float | None = None) -> int | None:
+    """The run's pack length (None: padded), resolved from the config's; switches packed sdpa rows on CUDA to varlen.
+    ``simcse_dropout``: the run's, so a refusal names where the attention dropout comes from."""
     model = encoder.model
     impl = packing.attention_implementation(model)
     device = model.get_input_embeddings().weight.device.type
-    if impl == varlen.NAME and _dropout_problem(model.config):
-        raise ConfigError(f"attn_implementation: 'varlen' cannot train this model: {_dropout_problem(model.config)}; "
-                          "use attn_implementation 'sdpa'.")
+    dropout = _dropout_problem(model.config, simcse_dropout)
+    if impl == varlen.NAME and dropout:
+        raise ConfigError(f"attn_implementation: 'varlen' cannot train this model: {dropout}; or use "
+                          "attn_implementation 'sdpa', which applies the dropout.")
     auto = packing.AUTO_PACKING.get((device, impl), False)
     if pack_length == "auto":
-        problem = varlen_problem(model) if auto == packing.VARLEN_KERNEL else None
+        problem = varlen_problem(model, simcse_dropout) if auto == packing.VARLEN_KERNEL else None
         pack_length = AUTO_PACK_LENGTH if auto and problem is None else None
         rows = f"rows of {pack_length} tokens" if pack_length else "padded rows"
         logger.info("pack_length 'auto' on %s with %s attention: %s%s.", device, impl, rows,
                     f" ({problem})" if problem else "")
     if pack_length is not None and auto == packing.VARLEN_KERNEL:  # sdpa on CUDA: packed rows pay on varlen only
-        problem = varlen_problem(model)
+        problem = varlen_problem(model, simcse_dropout)
         if problem is None:
             model.config._attn_implementation = varlen.NAME
             check_attention(model, expect_bidirectional=encoder.config.enable_bidirectional)
@@ -72,11 +80,8 @@ def training_rows(pack_length: int | str | None, encoder: nn.Module) -> int | No
 
 
 def row_rules(values: dict[str, Any]) -> list[str]:
-    """``pack_length``'s one word, and varlen with SimCSE's attention dropout: refused before any model loads."""
+    """Varlen with SimCSE's attention dropout: refused before any model loads."""
     errors = []
-    pack_length = values.get("pack_length")
-    if isinstance(pack_length, str) and pack_length != "auto":
-        errors.append(f"pack_length: {pack_length!r} is not a number of tokens, 'auto' or null")
     if values.get("attn_implementation") == varlen.NAME and values.get("simcse_dropout"):
         errors.append(f"attn_implementation: 'varlen' has no attention dropout, and simcse_dropout is "
                       f"{values['simcse_dropout']}; use attn_implementation 'sdpa' for SimCSE (its two views differ by "

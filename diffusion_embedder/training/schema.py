@@ -14,15 +14,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import os
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from importlib import import_module
+from typing import Any, Literal
 
 from diffusion_embedder.clihelp import fields_help
-from diffusion_embedder.config import matches_type, value_problem
+from diffusion_embedder.config import value_problem
+from diffusion_embedder.files import folder_problem
+from diffusion_embedder.training.stages import STAGES
+from diffusion_embedder.values import problem, range_problem
 
 
 class ConfigError(ValueError):
@@ -100,10 +104,26 @@ INSTEAD = {"attn_implementation": ('"sdpa"', "sdpa"), "use_liger_kernel": ("fals
 #: annotates ``fsdp`` as a string.
 #: ``activation_checkpointing`` (``gradient_checkpointing`` on 5.17) also takes a number of layers or "auto"
 #: (``checkpointing.py``).
-TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None, "activation_checkpointing": bool | int | str | None,
-                                  "gradient_checkpointing": bool | int | str | None}
-#: The words a field typed wider than its choices accepts (``TYPE_OVERRIDES``).
-WORDS = {"activation_checkpointing": ("auto",), "gradient_checkpointing": ("auto",)}
+CHECKPOINTING_TYPE = bool | int | Literal["auto"] | None
+TYPE_OVERRIDES: dict[str, Any] = {"fsdp": bool | str | None, "activation_checkpointing": CHECKPOINTING_TYPE,
+                                  "gradient_checkpointing": CHECKPOINTING_TYPE}
+#: What Hugging Face fields mean here where that differs from transformers' own help (the config reference shows
+#: this instead; the values allowed come from the checks themselves: ``RANGES``, ``TYPE_OVERRIDES``, ``fsdp.py``,
+#: ``liger.py``).
+HELP = {
+    "activation_checkpointing": "Recompute the activations of decoder layers in the backward instead of keeping them: "
+    "true every layer, false none, a number N the first N layers, \"auto\" the fewest layers whose predicted peak "
+    "memory fits the device (its choice logged; not with eager attention). Under fsdp, set "
+    "fsdp_config.activation_checkpointing instead.",
+    "fsdp": "Shard a full-weight LM-stage run (full_training: true) with FSDP2 over torchrun's processes (2 or more): "
+    "true, or transformers' words.",
+    "fsdp_config": "FSDP2's settings, read only with fsdp: a JSON object or the path of a JSON file (a leading fsdp_ "
+    "of a key is dropped).",
+    "use_liger_kernel": "Liger Kernel's Triton kernels (RMSNorm, rotary embeddings, SwiGLU) on the backbone, applied "
+    "by us (liger.py) to the families it is wired for; needs the liger extra, so a CUDA machine.",
+    "liger_kernel_config": "Which of Liger's kernels to apply (a JSON object of booleans), over our defaults.",
+    "remove_unused_columns": "Our datasets are not datasets.Dataset objects: nothing to remove.",
+}
 
 #: A config key's owner: (argument class, dataclass field, resolved type).
 FieldEntry = tuple[type, dataclasses.Field, Any]
@@ -111,15 +131,8 @@ FieldEntry = tuple[type, dataclasses.Field, Any]
 
 def range_errors(values: dict[str, Any], ranges: dict[str, tuple] = RANGES) -> list[str]:
     """One message per numeric value outside its range, or unsupported setting, naming the field."""
-    errors = []
-    for name, (low, high) in ranges.items():
-        value = values.get(name)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            continue
-        if low is not None and (value < low[0] or (value == low[0] and not low[1])):
-            errors.append(f"{name}: must be {'>=' if low[1] else '>'} {low[0]}, got {value}")
-        if high is not None and (value > high[0] or (value == high[0] and not high[1])):
-            errors.append(f"{name}: must be {'<=' if high[1] else '<'} {high[0]}, got {value}")
+    errors = [found for name, bounds in ranges.items() for found in [range_problem(name, values.get(name), bounds)]
+              if found]
     max_steps = values.get("max_steps")
     if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps != -1 and max_steps < 1:
         errors.append(f"max_steps: must be >= 1 (or -1 to train num_train_epochs), got {max_steps}")
@@ -160,6 +173,13 @@ def argument_fields(cls: type) -> dict[str, dataclasses.Field]:
 
 def field_table(classes: tuple[type, ...]) -> dict[str, FieldEntry]:
     """Every config key of ``classes``; a key two classes share belongs to the first."""
+    return dict(_field_table(tuple(classes)))
+
+
+@functools.cache
+def _field_table(classes: tuple[type, ...]) -> dict[str, FieldEntry]:
+    """``field_table``, read once per set of classes (resolving TrainingArguments' type hints takes milliseconds,
+    and a config is checked against them several times)."""
     table: dict[str, FieldEntry] = {}
     for cls in classes:
         hints = typing.get_type_hints(cls)
@@ -194,63 +214,62 @@ def default_of(f: dataclasses.Field) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def type_text(tp: Any) -> str:
-    """A field type as error messages name it (``int or null``, ``'a' or 'b'``, ``one of [...]``)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(type_text(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is typing.Literal:
-        return " or ".join(repr(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return f"one of {[m.value for m in tp]}"
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _enum_choices(tp: Any) -> list[str] | None:
-    """Allowed strings of an ``Enum | str`` field (e.g. lr_scheduler_type), so a typo is caught early."""
-    for arg in typing.get_args(tp):
-        if isinstance(arg, type) and issubclass(arg, enum.Enum):
-            return [m.value for m in arg]
-    return None
-
-
-def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry]) -> list[str]:
+def _value_errors(values: dict[str, Any], table: dict[str, FieldEntry], schema: StageSchema) -> list[str]:
     """Unknown keys (with the closest valid one), wrong types, values outside their choices, and the
     ``EncoderConfig`` rules of a setting without choices."""
     errors: list[str] = []
     for key, value in values.items():
         if key not in table:
-            close = difflib.get_close_matches(key, table, n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            errors.append(f"unknown key {key!r}{hint}")
+            errors.append(unknown_key(key, table, schema))
             continue
         _, f, tp = table[key]
-        if not matches_type(value, tp):
-            errors.append(f"{key}: {value!r} ({type(value).__name__}) is not of type {type_text(tp)}")
-            continue
-        if isinstance(value, str) and key in WORDS:
-            if value not in WORDS[key]:
-                errors.append(f"{key}: {value!r} (str) is not of type bool or int, nor one of {list(WORDS[key])}")
-            continue
-        allowed = f.metadata.get("choices") or (_enum_choices(tp) if isinstance(value, str) else None)
-        if allowed is not None and value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed if a is not None], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            errors.append(f"{key}: {value!r} is not one of {list(allowed)}{hint}")
-        elif allowed is None and f.metadata.get("setting"):
-            errors += [problem for problem in [value_problem(key, value)] if problem]
+        found = problem(key, value, tp, f.metadata.get("choices"))
+        if found is None and f.metadata.get("setting"):
+            found = value_problem(key, value)
+        if found:
+            errors.append(found)
     return errors
+
+
+def is_set(value: Any) -> bool:
+    """Whether a config asks for a setting: true, a non-zero number, a non-blank string, a non-empty collection."""
+    return bool(value.strip()) if isinstance(value, str) else bool(value)
+
+
+def unknown_key(key: str, table: dict[str, FieldEntry], schema: StageSchema) -> str:
+    """A key ``schema``'s stage does not have: the stages that do (``stages.py``), else the closest key it has."""
+    schemas = stage_schemas()
+    elsewhere = [name for name, other in schemas.items() if key in field_table(other.classes)]
+    if elsewhere:
+        here = [name for name, other in schemas.items() if other is schema] or ["this"]
+        listed = " and ".join(f"{name} (diffusion-embedder {STAGES[name].command})" for name in elsewhere)
+        return (f"unknown key {key!r}: a field of the {listed} stage{'s' * (len(elsewhere) > 1)} only, not of the "
+                f"{' or '.join(here)} stage")
+    close = difflib.get_close_matches(key, table, n=1, cutoff=0.6)
+    return f"unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def stage_schemas() -> dict[str, StageSchema]:
+    """``stage name -> StageSchema``: the one schema object each stage's module (``stages.py``) validates with."""
+    schemas = {}
+    for name, stage in STAGES.items():
+        found = {id(v): v for v in vars(import_module(stage.module)).values() if isinstance(v, StageSchema)}
+        if len(found) != 1:
+            raise RuntimeError(f"stage {name!r}: expected one StageSchema in {stage.module}, found {len(found)}")
+        schemas[name] = next(iter(found.values()))
+    return schemas
 
 
 @dataclass(frozen=True)
 class StageSchema:
     """A stage's config: its argument ``classes`` (``TrainingArguments`` last), its own numeric ``ranges`` (added
-    to ``RANGES``) and its ``rules`` across fields (each returns one message per problem, naming the field)."""
+    to ``RANGES``), the fields it ``refused`` when set (``field -> why``; the config reference leaves this stage out
+    of theirs) and its ``rules`` across fields (each returns one message per problem, naming the field)."""
 
     classes: tuple[type, ...]
     ranges: dict[str, tuple] = field(default_factory=dict)
     rules: tuple[Callable[[dict[str, Any]], list[str]], ...] = ()
+    refused: dict[str, str] = field(default_factory=dict)
 
     def fields_help(self) -> str:
         """``--help``: one line per field of the stage's own classes (type, default, choices, help)."""
@@ -271,15 +290,15 @@ class StageSchema:
         """``problems`` (each starting with the canonical field's name) naming each field as ``given`` spells it."""
         spelled = {name: alias for alias, name in field_aliases(self.classes).items() if alias in given}
         out = []
-        for problem in problems:
-            name = problem.split(":", 1)[0]
-            out.append(spelled[name] + problem[len(name):] if name in spelled else problem)
+        for message in problems:
+            name = message.split(":", 1)[0]
+            out.append(spelled[name] + message[len(name):] if name in spelled else message)
         return out
 
     def problems(self, values: dict[str, Any]) -> list[str]:
         """Every problem of canonical ``values``, each naming its field."""
         table = field_table(self.classes)
-        errors = _value_errors(values, table)
+        errors = _value_errors(values, table, self)
         for cls in self.classes[:-1]:
             for name, f in argument_fields(cls).items():
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and name not in values:
@@ -287,6 +306,10 @@ class StageSchema:
         for name in REQUIRED_TRAINING:
             if values.get(name) is None:
                 errors.append(f"missing required field {name!r} (TrainingArguments)")
+        errors += [f"{name}: {values[name]!r} is not supported by this stage ({why})"
+                   for name, why in self.refused.items() if is_set(values.get(name))]
+        if isinstance(values.get("output_dir"), str):  # a file there would stop the run as it claims the folder
+            errors += [found for found in [folder_problem(values["output_dir"], "output_dir")] if found]
         errors += [problem for rule in self.rules for problem in rule(values)]
         return errors + range_errors(values, {**RANGES, **self.ranges}) + requirement_errors(values)
 

@@ -10,14 +10,15 @@ MNTP folder (``model_name_or_path: MNTP_OUTPUT``) with a fresh LoRA; name the ru
 
 from __future__ import annotations
 
+from diffusion_embedder import clihelp
 from diffusion_embedder.training.arguments import SUPERVISED, TrainConfig, read_config_values, validate
 from diffusion_embedder.training.runner import run_cli
 from diffusion_embedder.training.schema import ConfigError
 from diffusion_embedder.training.supervised import train
 
 USAGE = (
-    "usage: [torchrun --nproc_per_node=N] experiments/run_simcse.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: the supervised fields plus simcse_dropout (see train_configs/simcse/, train_configs/tiny/)."
+    f"{clihelp.config_usage('simcse')}\n"
+    "CONFIG.json: the supervised fields plus simcse_dropout (train_configs/simcse/, train_configs/tiny/)."
 )
 #: What makes a supervised config a SimCSE one, unless the config says otherwise.
 SIMCSE_DEFAULTS = {"dataset_name": "Wiki1M", "loss_class": "HardNegativeNLLLoss", "num_negatives": 0}

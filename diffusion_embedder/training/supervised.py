@@ -42,10 +42,9 @@ from diffusion_embedder.training.trainer import EncoderTrainer
 logger = logging.getLogger(__name__)
 
 USAGE = (
-    f"usage: {clihelp.prog('train')} CONFIG.json [--key value ...]\n"
-    "   or: torchrun --nproc_per_node=N experiments/run_supervised.py CONFIG.json [--key value ...]\n"
-    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (see train_configs/);\n"
-    "--key value pairs override the file. LLM2Vec's names max_seq_length and bidirectional are accepted."
+    f"{clihelp.config_usage('train')}\n"
+    "CONFIG.json: the fields below and any Hugging Face TrainingArguments field (train_configs/);\n"
+    "--key value pairs override the file. LLM2Vec's max_seq_length and bidirectional are accepted."
 )
 
 
@@ -134,7 +133,7 @@ def build_trainer(cfg: TrainConfig, data: tuple[ContrastiveDataset, int] | None 
     attention (``rows.training_rows``), loss and collator, each from its config fields."""
     dataset, num_negatives = data or build_dataset(cfg)
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training, graph_tokens(cfg, num_negatives))
-    pack_length = training_rows(cfg.custom.pack_length, encoder)
+    pack_length = training_rows(cfg.custom.pack_length, encoder, cfg.custom.simcse_dropout)
     return EncoderTrainer(
         model=encoder,
         args=cfg.training,
