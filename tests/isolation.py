@@ -57,10 +57,13 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> 
     return folder
 
 
-#: Variables torch sets for its own later use, once per process: inductor's compiled C++ code reads the first (it
-#: fails without it), the others configure inductor's builds and the profiler. Neither compared nor put back.
+#: Variables libraries set on their first import, for their own later use, once per process: torch's (inductor's
+#: compiled C++ code reads the first and fails without it; the others configure inductor's builds and the
+#: profiler), scikit-learn's OpenMP settings and polars' allocator settings (both imported by mteb). Neither
+#: compared nor put back: which test imports a library first depends on the order the tests run in.
 LIBRARY_ENV = frozenset({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "KMP_DUPLICATE_LIB_OK", "TORCH_WARM_POOL",
-                         "CUDA_HOME", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI"})
+                         "CUDA_HOME", "DISABLE_CUPTI_LAZY_REINIT", "TEARDOWN_CUPTI", "KMP_INIT_AT_FORK",
+                         "_RJEM_MALLOC_CONF"})
 #: pytest's own, set anew for each phase of each test.
 PYTEST_ENV = "PYTEST_CURRENT_TEST"
 #: (level, disabled, propagate) of a logger nothing has configured.

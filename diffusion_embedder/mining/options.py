@@ -45,8 +45,8 @@ class MiningOptions:
                                      "field (default: the pairs' own positives); positives it lacks are added")
     output_dir: str | None = option(help="OUTPUT_DIR/negatives.jsonl, its manifest.json and the two embedding "
                                          "stores (documents/, queries/) (required)")
-    query_field: str = option("query")
-    positive_field: str = option("positive")
+    query_field: str = option("query", "the --pairs field holding each record's query")
+    positive_field: str = option("positive", "the --pairs field holding each record's positive document")
     instruction_field: str = option("instruction", "the query's instruction, encoded with it as training encodes "
                                                    "it; '' for none")
     positive_id_field: str | None = option(help="the positive's --corpus id (where a record has it), excluded from "
