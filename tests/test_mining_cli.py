@@ -328,3 +328,20 @@ def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tm
         with pytest.raises(OtherEmbeddings, match=refusal):
             rerun(run, **options)
         assert before == {p: p.read_bytes() for p in (run / "out").rglob("*") if p.is_file()}  # nothing written
+
+
+def test_the_mining_page_s_options_table_gives_the_code_s_defaults():
+    """docs/mining.md's table names each flag with its default: the flags exist and the defaults are the parser's
+    (``off`` for a filter or budget that is None, ``on``/``off`` for a switch)."""
+    import re
+
+    defaults = vars(mine_cli.build_parser().parse_args([]))
+    rows = re.findall(r"^\| ((?:`--\w+`(?:, )?)+) \| ([^|]+) \|", (ROOT / "docs" / "mining.md").read_text(), re.M)
+    assert len(rows) >= 15
+    for flags, written in rows:
+        names = re.findall(r"`--(\w+)`", flags)
+        for name, text in zip(names, written.split(", "), strict=True):
+            value = defaults[name]
+            expected = "off" if value is None or value is False else str(value)
+            expected = f"`{expected}`" if isinstance(value, str) else expected
+            assert text.strip() == expected, name

@@ -120,7 +120,7 @@ def bash_blocks(page: str) -> list[str]:
 
 def test_the_docs_page_s_example_mines_trains_with_three_negatives_and_evaluates(tmp_path):
     """docs/mining.md's first block runs as written from a checkout's root (here a folder with the checkout's
-    fixtures, configs and scripts): the mined file trains through run_supervised.py with num_negatives 3."""
+    fixtures, configs and scripts): the mined file trains (diffusion-embedder train) with num_negatives 3."""
     pytest.importorskip("mteb")
     for name in ("tests", "train_configs", "experiments"):
         (tmp_path / name).symlink_to(ROOT / name)
