@@ -185,3 +185,14 @@ def test_sentence_transformers_mines_the_same_negatives_from_our_export(tmp_path
         for r in ours.values():
             gaps = [a - b for a, b in zip(r["negative_scores"], r["negative_scores"][1:], strict=False)]
             assert all(g > 1e-5 for g in gaps)
+
+
+def test_the_gpu_benchmark_s_dry_run_mines_and_reports_its_throughput():
+    """``bench/mine.py --gpu --dry-run`` runs the GPU path (a random encoder of the tiny shape, the whole mining call)
+    on the CPU and prints the throughput row, so the GPU run does not meet its first error on the GPU."""
+    result = subprocess.run([sys.executable, "bench/mine.py", "--gpu", "--dry-run"], cwd=ROOT, env=env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Device: CPU dry run (tiny shape); 300 documents" in result.stdout
+    row = re.search(r"^\| ([\d.]+) \| ([\d.]+) \| ([\d.]+)% \| ([\d.]+) \|$", result.stdout, re.M)
+    assert row and float(row[1]) > 0 and float(row[2]) > 0 and 0 < float(row[3]) < 100
