@@ -13,6 +13,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from diffusion_embedder.mining.filters import REASONS, query_seed, select
 from diffusion_embedder.mining.inputs import MiningInputs, read_inputs
 from diffusion_embedder.mining.options import MineArguments, MiningError, check_options
 from diffusion_embedder.mining.search import score_pairs, search
+
+if TYPE_CHECKING:
+    from diffusion_embedder.encoder import Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +182,8 @@ def finish(prepared: Prepared) -> MiningSummary:
     return MiningSummary("mined", path, len(records), dropped_records, dict(dropped))
 
 
-def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, *, encoder=None,
-                        **options) -> MiningSummary:
+def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, *, encoder: Encoder | None = None,
+                        **options: Any) -> MiningSummary:
     """Mine hard negatives for ``pairs`` from ``corpus`` into ``output_dir/negatives.jsonl``, in this process.
 
     The notebook form of ``diffusion-embedder mine``: the same checks, stores, filters and output, and the same
