@@ -152,7 +152,7 @@ def child_st(folder: Path, device: str) -> dict:
 
 
 def child_search(folder: Path, block: int) -> dict:
-    from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+    from diffusion_embedder.evaluation.store import EmbeddingStore
     from diffusion_embedder.mining.search import search
 
     documents, queries = EmbeddingStore(str(folder / "documents")), EmbeddingStore(str(folder / "queries"))
@@ -169,7 +169,7 @@ def random_stores(folder: Path, num_docs: int, num_queries: int, dim: int) -> No
     """Stores of random vectors in encode's layout (chunks of 1024 rows), written without a model."""
     import numpy as np
 
-    from diffusion_embedder.evaluation.encode_corpus import FORMAT, _write_chunk, identity
+    from diffusion_embedder.evaluation.store import FORMAT, _write_chunk, identity
 
     rng = np.random.default_rng(0)
     for name, rows in (("documents", num_docs), ("queries", num_queries)):

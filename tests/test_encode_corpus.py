@@ -29,6 +29,7 @@ from conftest import LLAMA_FIXTURE, ROOT  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
 from diffusion_embedder.evaluation import encode_corpus as ec  # noqa: E402
+from diffusion_embedder.evaluation import store  # noqa: E402
 
 CORPUS = ROOT / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
 SCRIPT = ROOT / "experiments" / "encode_corpus.py"
@@ -56,7 +57,7 @@ def reference(tmp_path_factory) -> tuple[Path, list[str], np.ndarray]:
     out = tmp_path_factory.mktemp("one_process")
     stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))
     assert (stats.encoded_chunks, stats.encoded_texts, stats.skipped_chunks) == (NUM_CHUNKS, 100, 0)
-    ids, matrix = ec.load_embeddings(str(out))
+    ids, matrix = store.load_embeddings(str(out))
     return out, ids, matrix
 
 
@@ -84,17 +85,17 @@ def test_two_torchrun_ranks_and_a_two_job_array_write_the_same_arrays(reference,
     result = torchrun(SCRIPT, *argv(tmp_path / "torchrun"))
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     assert result.stdout.count("Encoded 7 chunks (100 texts); 0 chunks were complete already.") == 1  # rank 0 prints
-    read_ids, read = ec.load_embeddings(str(tmp_path / "torchrun"))
+    read_ids, read = store.load_embeddings(str(tmp_path / "torchrun"))
     assert read_ids == ids and np.array_equal(read, matrix)
     array = tmp_path / "array"
     assert ec.main(argv(array, "--num_shards", "2", "--shard_index", "0")) == 0
     assert complete_chunks(array) == [0, 2, 4, 6]
     assert "4 of 7 chunks, other shards still to run" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="chunk-000001.json: missing .*rerun the encode command"):
-        ec.load_embeddings(str(array))
+    with pytest.raises(ValueError, match="chunk-000001.json: missing .*rerun the command that wrote"):
+        store.load_embeddings(str(array))
     assert ec.main(argv(array, "--num_shards", "2", "--shard_index", "1")) == 0
     assert "7 of 7 chunks, complete" in capsys.readouterr().out
-    read_ids, read = ec.load_embeddings(str(array))
+    read_ids, read = store.load_embeddings(str(array))
     assert read_ids == ids and np.array_equal(read, matrix)
 
 
@@ -126,16 +127,16 @@ def test_a_killed_rank_leaves_complete_chunks_and_the_rerun_encodes_only_the_res
     done = complete_chunks(out)
     assert 1 in done and 3 not in done and 5 not in done  # rank 1 has chunks 1, 3, 5 and died on 3
     assert (out / "chunk-000003.npy").exists()  # its rows are there, without their record
-    made_by = ec.identity(json.loads((out / "manifest.json").read_text()))
+    made_by = store.identity(json.loads((out / "manifest.json").read_text()))
     for index in done:
-        ec._check_chunk(str(out), index, 64, made_by)  # every chunk with a record is complete and intact
+        store._check_chunk(str(out), index, 64, made_by)  # every chunk with a record is complete and intact
     with pytest.raises(ValueError, match="was not completed"):
-        ec.load_embeddings(str(out))
+        store.load_embeddings(str(out))
     stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))
     missing = sorted(set(range(NUM_CHUNKS)) - set(done))
     assert stats.chunks == missing and stats.skipped_chunks == len(done)
     assert stats.encoded_texts == sum(16 if i < 6 else 4 for i in missing)
-    read_ids, read = ec.load_embeddings(str(out))
+    read_ids, read = store.load_embeddings(str(out))
     assert read_ids == ids and np.array_equal(read, matrix)
 
 
@@ -147,11 +148,11 @@ def test_a_damaged_chunk_is_refused_by_the_reader_and_encoded_again(reference, t
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="chunk-000002.npy: its bytes changed"):
-        ec.load_embeddings(str(out))
+        store.load_embeddings(str(out))
     with caplog.at_level(logging.WARNING):
         stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))
     assert stats.chunks == [2] and "Encoding chunk 2 again" in caplog.text
-    assert np.array_equal(ec.load_embeddings(str(out))[1], reference[2])
+    assert np.array_equal(store.load_embeddings(str(out))[1], reference[2])
 
 
 def test_chunks_of_another_model_or_setting_are_never_reused_even_without_the_manifest(reference, tmp_path, caplog):
@@ -165,11 +166,11 @@ def test_chunks_of_another_model_or_setting_are_never_reused_even_without_the_ma
         stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu", "--pooling_mode", "weighted_mean")))
     assert stats.chunks == list(range(NUM_CHUNKS)) and stats.skipped_chunks == 0
     assert "made by another model, settings or corpus" in caplog.text
-    _, weighted = ec.load_embeddings(str(out))
+    _, weighted = store.load_embeddings(str(out))
     assert not np.allclose(weighted, reference[2])
     (out / "manifest.json").write_text(original)
     with pytest.raises(ValueError, match="chunk-000000.json: made by another model, settings or corpus"):
-        ec.load_embeddings(str(out))
+        store.load_embeddings(str(out))
 
 
 def test_another_model_setting_or_corpus_is_refused_naming_what_differs(reference, tmp_path, family_checkpoint):
@@ -210,7 +211,7 @@ def test_the_command_refuses_another_setting_with_status_2_and_the_message_alone
 def drop_chunks(folder: Path, indices: list[int]) -> None:
     for index in indices:
         for suffix in (".json", ".npy"):
-            (folder / f"{ec.chunk_name(index)}{suffix}").unlink()
+            (folder / f"{store.chunk_name(index)}{suffix}").unlink()
 
 
 def test_the_same_checkpoint_copied_elsewhere_resumes_the_run(reference, tmp_path, family_checkpoint):
@@ -224,7 +225,7 @@ def test_the_same_checkpoint_copied_elsewhere_resumes_the_run(reference, tmp_pat
     resumed[1] = str(moved)
     stats = ec.encode_corpus(ec.parse_args(resumed))
     assert (stats.chunks, stats.skipped_chunks) == ([2, 5], NUM_CHUNKS - 2)
-    ids, matrix = ec.load_embeddings(str(out))
+    ids, matrix = store.load_embeddings(str(out))
     assert ids == reference[1] and np.array_equal(matrix, reference[2])
     drop_chunks(out, [0])
     before = sorted(p.name for p in out.iterdir())
@@ -255,12 +256,12 @@ def test_the_same_adapter_copied_elsewhere_resumes_the_run_and_another_adapter_i
     run = argv(out, "--device", "cpu", corpus=corpus)
     run[1] = str(first)
     assert ec.encode_corpus(ec.parse_args(run)).chunks == [0, 1]
-    _, whole = ec.load_embeddings(str(out))
+    _, whole = store.load_embeddings(str(out))
     drop_chunks(out, [1])
     run[1] = str(shutil.copytree(first, tmp_path / "copied" / "adapter"))
     stats = ec.encode_corpus(ec.parse_args(run))
     assert (stats.chunks, stats.skipped_chunks) == ([1], 1)
-    assert np.array_equal(ec.load_embeddings(str(out))[1], whole)
+    assert np.array_equal(store.load_embeddings(str(out))[1], whole)
     drop_chunks(out, [1])
     run[1] = str(adapter(tmp_path / "other" / "checkpoint-10", 1))  # same base, same path name, other LoRA weights
     with pytest.raises(ValueError, match=r"model.weights_sha256"):
@@ -293,7 +294,7 @@ def test_any_jsonl_with_an_id_and_a_text_field(tmp_path):
     path.write_text('{"doc": 7, "body": "first text", "title": "ignored"}\n{"doc": "b", "body": "second"}\n')
     out = tmp_path / "out"
     assert ec.main(argv(out, "--id_field", "doc", "--text_field", "body", "--title_field", "", corpus=path)) == 0
-    ids, matrix = ec.load_embeddings(str(out))
+    ids, matrix = store.load_embeddings(str(out))
     from diffusion_embedder.evaluation.sharding import load_checkpoint
 
     expected = load_checkpoint(str(LLAMA_FIXTURE), device="cpu").encode(

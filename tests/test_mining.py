@@ -23,7 +23,7 @@ import pytest
 from conftest import LLAMA_FIXTURE, ROOT
 from numerics import HAND_EPS, ORDER_EPS, assert_close_normwise
 
-from diffusion_embedder.evaluation.encode_corpus import load_embeddings
+from diffusion_embedder.evaluation.store import load_embeddings
 from diffusion_embedder.mining import mine_hard_negatives
 
 BEIR = ROOT / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
@@ -269,7 +269,7 @@ def test_faiss_and_any_block_size_give_the_exact_search_s_negatives(stores, tmp_
 
 def write_store(folder: Path, rows: np.ndarray, chunk: int) -> None:
     """An embedding store of ``rows`` in chunks of ``chunk``, as ``encode`` writes one."""
-    from diffusion_embedder.evaluation.encode_corpus import FORMAT, _write_chunk, identity
+    from diffusion_embedder.evaluation.store import FORMAT, _write_chunk, identity
 
     ids = [f"{folder.name}{i}" for i in range(len(rows))]
     spans = [(lo, min(lo + chunk, len(rows))) for lo in range(0, len(rows), chunk)]
@@ -286,7 +286,7 @@ def test_search_ranks_ties_by_corpus_order_and_holds_one_block_of_scores_at_a_ti
     whatever the block sizes; no similarity call sees more than query_block x document_block pairs."""
     import torch
 
-    from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+    from diffusion_embedder.evaluation.store import EmbeddingStore
     from diffusion_embedder.mining import search as search_mod
 
     rng = np.random.default_rng(0)
@@ -323,7 +323,7 @@ def test_faiss_ranks_as_the_exact_search_for_every_similarity_function(tmp_path,
     pytest.importorskip("faiss")  # the exact path is also the reference test's, always run
     import torch
 
-    from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+    from diffusion_embedder.evaluation.store import EmbeddingStore
     from diffusion_embedder.mining.search import search
     from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS
 

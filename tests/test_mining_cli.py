@@ -14,7 +14,7 @@ import pytest
 from conftest import LLAMA_FIXTURE, ROOT
 
 from diffusion_embedder.evaluation import encode_corpus
-from diffusion_embedder.evaluation.encode_corpus import OtherEmbeddings
+from diffusion_embedder.evaluation.store import OtherEmbeddings
 from diffusion_embedder.mining import cli as mine_cli
 from diffusion_embedder.mining import mine as mine_mod
 from diffusion_embedder.mining import mine_hard_negatives

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import LLAMA_FIXTURE, ROOT
 
-from diffusion_embedder.evaluation import encode_corpus
+from diffusion_embedder.evaluation import encode_corpus, store
 from diffusion_embedder.mining import mine_hard_negatives
 
 BEIR = ROOT / "tests" / "fixtures" / "beir" / "reasonaug"
@@ -62,9 +62,9 @@ def test_two_torchrun_ranks_write_the_file_one_process_writes(tmp_path):
     assert result.stdout.count("records mined") == 1  # rank 0 mines and prints
     one, two = (tmp_path / name / "negatives.jsonl" for name in ("one", "two"))
     assert two.read_bytes() == one.read_bytes() and len(one.read_text().splitlines()) == 100
-    for store in ("documents", "queries"):
-        ids, vectors = encode_corpus.load_embeddings(str(tmp_path / "one" / store))
-        ids2, vectors2 = encode_corpus.load_embeddings(str(tmp_path / "two" / store))
+    for name in ("documents", "queries"):
+        ids, vectors = store.load_embeddings(str(tmp_path / "one" / name))
+        ids2, vectors2 = store.load_embeddings(str(tmp_path / "two" / name))
         assert ids == ids2 and (vectors == vectors2).all()
     shards = json.loads((tmp_path / "two" / "documents" / "manifest.json").read_text())["num_shards"]
     assert shards == 2  # the chunks were shared out

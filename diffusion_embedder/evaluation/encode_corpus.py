@@ -3,13 +3,8 @@
 The input is a BEIR ``corpus.jsonl`` (``_id``, ``title``, ``text``), any JSONL with an id and a text field
 (``--id_field``, ``--text_field``; ``--title_field ""`` when there is no title), or an mteb task's corpus
 (``--task_name``; mteb is needed only then). A document is encoded as the evaluation encodes it: its title and
-text joined as mteb joins them (``document_text``), no instruction. The output folder holds
-
-    manifest.json      the model (base, adapter, weights hash), every encoder setting, dtype and dimension, the
-                       corpus (source, fingerprint, rows), the chunk plan, the package version
-    chunk-000000.npy   float32 rows of the chunk's documents, in corpus order
-    chunk-000000.json  their ids and rows, the SHA-256 of the .npy and of the manifest's identity (what the vectors
-                       depend on); written last, so it marks the chunk complete
+text joined as mteb joins them (``document_text``), no instruction. The output folder is an embedding store
+(``store.py``: a manifest, then per chunk its float32 rows and a record written last).
 
 Chunks, not shards, are the unit on disk: they are ``sharding.plan_chunks`` over the corpus, whatever the number
 of processes, and process ``s`` of ``n`` (``--num_shards``/``--shard_index``, times torchrun's ranks) encodes
@@ -17,28 +12,22 @@ chunks ``s, s + n, ...``. So any sharding writes the same files with the same ve
 many processes as are at hand, encodes only the chunks not yet complete and intact. A folder made for another
 model, settings, dtype or corpus is refused, naming what differs. The model is what it computes (the hash of
 its weights, an adapter folded in, and its settings, as the results ledger defines it), not where it was loaded
-from: the same checkpoint copied to another path resumes the run. ``load_embeddings`` reads the folder back in
-corpus order and checks every chunk.
+from: the same checkpoint copied to another path resumes the run. ``store.load_embeddings`` reads the folder back
+in corpus order and checks every chunk.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import glob
 import hashlib
 import json
 import logging
 import os
-import uuid
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from diffusion_embedder import __version__, clihelp, distributed
 from diffusion_embedder.clihelp import UsageError
 from diffusion_embedder.data.jsonl import Field, read_jsonl_rows
-from diffusion_embedder.evaluation.cache import BadRows, load_rows, save_rows
 from diffusion_embedder.evaluation.options import (
     EXIT_STATUS,
     CorpusFieldOptions,
@@ -53,16 +42,21 @@ from diffusion_embedder.evaluation.options import (
 )
 from diffusion_embedder.evaluation.results import computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
+from diffusion_embedder.evaluation.store import (
+    FORMAT,
+    MANIFEST,
+    OtherEmbeddings,
+    _check_chunk,
+    _write_chunk,
+    check_corpus_there,
+    chunk_name,
+    claim_folder,
+    identity,
+)
 from diffusion_embedder.files import check_file, read_json_object
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT = "diffusion_embedder.embeddings/1"
-#: What a folder's vectors depend on: a rerun that differs in any of these is refused. The rest of the
-#: manifest (paths, version, shard count) says where they came from.
-IDENTITY_KEYS = ("format", "model.weights_sha256", "settings", "torch_dtype", "embedding_dim", "corpus.fingerprint",
-                 "corpus.num_rows", "chunks.chunk_size", "chunks.chunk_chars", "chunks.num_chunks")
 #: Starts the fingerprint of a store of queries, so it never equals a documents' store of the same texts.
 QUERIES_HEADER = b"queries: [id, instruction, text], encoded as training encodes them\n"
 
@@ -82,10 +76,6 @@ class _EncodeOptions(ShardOptions, CorpusFieldOptions, ModelOptions):
 
 #: The ``encode`` options plus every ``EncoderConfig`` setting (None: the checkpoint's own).
 EncodeArguments = with_encoder_settings(_EncodeOptions, "EncodeArguments", __name__)
-
-
-class OtherEmbeddings(ValueError):
-    """An output folder holding the embeddings of another model, settings or corpus (never mixed with these)."""
 
 
 #: ``encode``'s exit statuses (``clihelp.run_command``): 0 done (every chunk of this process's share written or
@@ -183,150 +173,6 @@ def read_task_corpus(name: str, split: str | None = None, subset: str | None = N
     titles = corpus["title"] if "title" in corpus.column_names else [None] * len(corpus)
     texts = [document_text(title, text) for title, text in zip(titles, corpus["text"], strict=True)]
     return Corpus(f"mteb:{name}/{subset}/{split}@{task.metadata.revision}", [str(i) for i in corpus["id"]], texts)
-
-
-def chunk_name(index: int) -> str:
-    return f"chunk-{index:06d}"
-
-
-def _flat(record: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, dict) and key != "settings":
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _differences(stored: dict, manifest: dict) -> list[str]:
-    """What about the vectors differs between two manifests, one line each (settings named one by one)."""
-    old, new = _flat(stored), _flat(manifest)
-    lines = []
-    for key in IDENTITY_KEYS:
-        if key == "settings":
-            before, after = old.get(key) or {}, new[key]
-            lines += [f"encoder setting {k}: {before.get(k)!r} there, {after.get(k)!r} now"
-                      for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
-        elif old.get(key) != new[key]:
-            lines.append(f"{key}: {old.get(key)!r} there, {new[key]!r} now")
-    return lines
-
-
-def identity(manifest: dict) -> str:
-    """SHA-256 of the manifest's ``IDENTITY_KEYS`` values: stored in every chunk record, so a chunk is never taken
-    for another model's, settings' or corpus's, even where the manifest was deleted or replaced."""
-    flat = _flat(json.loads(json.dumps(manifest)))
-    return hashlib.sha256(json.dumps([flat.get(k) for k in IDENTITY_KEYS], sort_keys=True).encode()).hexdigest()
-
-
-def claim_folder(folder: str, manifest: dict) -> None:
-    """Write ``manifest.json`` (the first process to arrive does, atomically), or check the one there."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-        with contextlib.suppress(FileExistsError):  # another process made it first: compared below
-            os.link(tmp, path)
-        os.remove(tmp)
-    check_manifest(folder, manifest)
-
-
-def check_manifest(folder: str, manifest: dict) -> None:
-    """Refuse ``folder`` (``OtherEmbeddings``) when its manifest is another model's, settings' or corpus's than
-    ``manifest``; write nothing."""
-    path = os.path.join(folder, MANIFEST)
-    if os.path.exists(path):
-        _refuse_other(folder, _differences(read_json_object(path, ValueError), json.loads(json.dumps(manifest))))
-
-
-def _refuse_other(folder: str, differences: list[str]) -> None:
-    if differences:
-        raise OtherEmbeddings(f"{folder} holds the embeddings of another model, settings or corpus, which must not be "
-                              f"mixed: {'; '.join(differences)}. Choose another --output_dir.")
-
-
-def check_corpus_there(folder: str, manifest: dict) -> None:
-    """Before the model loads: a folder whose manifest names another corpus or chunk plan than ``manifest`` (the
-    part known without the model) is refused as ``claim_folder`` would refuse it after loading."""
-    path = os.path.join(folder, MANIFEST)
-    if os.path.isfile(path):
-        old, new = _flat(read_json_object(path, OtherEmbeddings)), _flat(manifest)
-        _refuse_other(folder, [f"{key}: {old.get(key)!r} there, {new[key]!r} now" for key in IDENTITY_KEYS
-                               if key in new and old.get(key) != new[key]])
-
-
-def _check_chunk(
-    folder: str, index: int, dim: int, made_by: str, ids: list[str] | None = None
-) -> tuple[dict, np.ndarray]:
-    """The record and memory-mapped rows of a complete, intact chunk made under identity ``made_by``, or
-    ``ValueError`` naming the file and what is wrong."""
-    record_path = os.path.join(folder, chunk_name(index) + ".json")
-    if not os.path.exists(record_path):
-        raise ValueError(f"{record_path}: missing (chunk {index} was not completed)")
-    record = read_json_object(record_path, ValueError)
-    if not isinstance(record.get("ids"), list) or not isinstance(record.get("sha256"), str):
-        raise ValueError(f"{record_path}: not a chunk record (ids, rows, sha256)")
-    if record.get("identity") != made_by:
-        raise ValueError(f"{record_path}: made by another model, settings or corpus than the manifest's")
-    if ids is not None and record["ids"] != ids:
-        raise ValueError(f"{record_path}: its ids are not the corpus's ids for this chunk")
-    try:
-        rows = load_rows(os.path.join(folder, chunk_name(index) + ".npy"), record["sha256"], len(record["ids"]), dim)
-    except BadRows as bad:
-        raise ValueError(f"{bad.path}: {bad}") from None
-    return record, rows
-
-
-def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray,
-                 made_by: str) -> None:
-    """The chunk's rows, then its record (temporary files renamed into place, the record last)."""
-    base = os.path.join(folder, chunk_name(index))
-    for leftover in glob.glob(f"{base}.*.tmp*"):  # from a killed run
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(leftover)
-    digest = save_rows(base, vectors)
-    tmp = f"{base}.{uuid.uuid4().hex}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"ids": ids, "rows": list(rows), "sha256": digest, "identity": made_by}, f)
-    os.replace(tmp, base + ".json")
-
-
-def load_embeddings(output_dir: str) -> tuple[list[str], np.ndarray]:
-    """Read what ``diffusion-embedder encode`` wrote: the ids and their embeddings, in corpus order.
-
-    Args:
-        output_dir: The folder ``diffusion-embedder encode`` wrote.
-
-    Returns:
-        The document ids, and a float32 ``(N, d)`` array whose row i is document i's embedding.
-
-    Raises:
-        ValueError: A chunk missing, damaged or written by another model or settings (finish it by running the
-            same command again), named with its file.
-    """
-    manifest = read_json_object(os.path.join(output_dir, MANIFEST), ValueError)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{os.path.join(output_dir, MANIFEST)}: format {manifest.get('format')!r}, not {FORMAT!r}")
-    dim, plan, made_by = manifest["embedding_dim"], manifest["chunks"], identity(manifest)
-    ids: list[str] = []
-    blocks = []
-    for index in range(plan["num_chunks"]):
-        try:
-            record, rows = _check_chunk(output_dir, index, dim, made_by)
-        except ValueError as e:
-            raise ValueError(f"{e}; rerun the encode command into {output_dir} to finish it.") from None
-        if record.get("rows") != [len(ids), len(ids) + len(record["ids"])]:
-            raise ValueError(f"{os.path.join(output_dir, chunk_name(index))}.json: rows {record.get('rows')}, "
-                             f"expected to start at {len(ids)}")
-        ids += record["ids"]
-        blocks.append(rows)  # memory-mapped: np.concatenate makes the one copy in memory
-    expected = manifest["corpus"]["num_rows"]
-    if len(ids) != expected:
-        raise ValueError(f"{output_dir}: {len(ids)} rows in the chunks, the manifest says {expected}")
-    return ids, np.concatenate(blocks) if blocks else np.zeros((0, dim), dtype=np.float32)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -464,5 +310,5 @@ def _run(args) -> int:
     done = sum(os.path.exists(os.path.join(args.output_dir, chunk_name(i) + ".json")) for i in range(total))
     state = "complete" if done == total else "other shards still to run (or rerun to finish)"
     print(f"{args.output_dir}: {done} of {total} chunks, {state}; read it with "
-          "diffusion_embedder.evaluation.encode_corpus.load_embeddings.")
+          "diffusion_embedder.evaluation.store.load_embeddings.")
     return 0

@@ -11,8 +11,8 @@ import argparse
 import logging
 
 from diffusion_embedder import clihelp, distributed
-from diffusion_embedder.evaluation.encode_corpus import OtherEmbeddings
 from diffusion_embedder.evaluation.options import EXIT_STATUS, command_parser
+from diffusion_embedder.evaluation.store import OtherEmbeddings
 from diffusion_embedder.mining.mine import finish, prepare
 from diffusion_embedder.mining.options import MineArguments, MiningError, _MineOptions, check_options
 

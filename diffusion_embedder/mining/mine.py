@@ -18,17 +18,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from diffusion_embedder import distributed
-from diffusion_embedder.evaluation.encode_corpus import (
-    Corpus,
-    EncodeStats,
-    check_manifest,
-    chunk_name,
-    encode_chunks,
-    store_manifest,
-)
+from diffusion_embedder.evaluation.encode_corpus import Corpus, EncodeStats, encode_chunks, store_manifest
 from diffusion_embedder.evaluation.options import encoder_overrides
 from diffusion_embedder.evaluation.sharding import load_checkpoint
-from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+from diffusion_embedder.evaluation.store import EmbeddingStore, check_manifest, chunk_name
 from diffusion_embedder.mining import output
 from diffusion_embedder.mining.filters import REASONS, query_seed, select
 from diffusion_embedder.mining.inputs import MiningInputs, read_inputs

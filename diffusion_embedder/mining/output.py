@@ -21,7 +21,7 @@ import uuid
 
 from diffusion_embedder import __version__
 from diffusion_embedder.evaluation.cache import file_sha256
-from diffusion_embedder.evaluation.encode_corpus import identity as store_identity
+from diffusion_embedder.evaluation.store import identity as store_identity
 from diffusion_embedder.files import read_json_object
 from diffusion_embedder.mining.filters import FILTER_OPTIONS
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diffusion_embedder.evaluation.store_reader import EmbeddingStore
+from diffusion_embedder.evaluation.store import EmbeddingStore
 from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, SIMILARITY_PAIRWISE
 
 logger = logging.getLogger(__name__)
