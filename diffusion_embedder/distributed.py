@@ -45,6 +45,12 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def configure_logging() -> None:
+    """A command's log: INFO from the main process, warnings only from the other ranks (one log, not one per rank)."""
+    logging.basicConfig(level=logging.INFO if is_main() else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def launch() -> str:
     """This process as an error message names it."""
     return f"rank {rank()} of a torchrun job (WORLD_SIZE={world_size()})"

@@ -286,8 +286,7 @@ def encode_corpus(args) -> EncodeStats:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: every process encodes its chunks; one (rank 0 under torchrun) prints what was done. Exit status:
     ``ENCODE_EXIT_STATUS``."""
-    logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.configure_logging()
     args = parse_args(argv)
     return clihelp.run_command(lambda: _run(args), ENCODE_EXIT_STATUS)
 

@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     encode call (``sharding.py``), and alone writes results and prints.
     """
     args = parse_args(argv)
-    level = logging.INFO if distributed.is_main() else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.configure_logging()
     return clihelp.run_command(lambda: _run(args), EVAL_EXIT_STATUS)
 
 

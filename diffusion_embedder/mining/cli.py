@@ -8,7 +8,6 @@ the run before the model loads, with exit status 2 and the message alone.
 from __future__ import annotations
 
 import argparse
-import logging
 
 from diffusion_embedder import clihelp, distributed
 from diffusion_embedder.evaluation.options import EXIT_STATUS, command_parser
@@ -40,8 +39,7 @@ def parse_args(argv: list[str] | None = None) -> MineArguments:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: every process encodes its share; rank 0 mines and prints the summary. Exit status:
     ``MINE_EXIT_STATUS``."""
-    logging.basicConfig(level=logging.INFO if distributed.is_main() else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    distributed.configure_logging()
     args = parse_args(argv)
     return clihelp.run_command(lambda: _run(args), MINE_EXIT_STATUS)
 
