@@ -30,6 +30,7 @@ from conftest import LLAMA_FIXTURE, ROOT  # noqa: E402
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
 from diffusion_embedder.evaluation import encode_corpus as ec  # noqa: E402
 from diffusion_embedder.evaluation import store  # noqa: E402
+from diffusion_embedder.evaluation.options import process_share  # noqa: E402
 
 CORPUS = ROOT / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
 SCRIPT = ROOT / "experiments" / "encode_corpus.py"
@@ -319,7 +320,7 @@ def test_shares_of_a_job_array_under_torchrun(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     args = ec.parse_args(argv(Path("out"), "--num_shards", "3", "--shard_index", "2"))
-    assert ec._shard(args) == (5, 6)  # job 2 of 3, rank 1 of 2: share 5 of 6
+    assert process_share(args) == (5, 6)  # job 2 of 3, rank 1 of 2: share 5 of 6
     args.shard_index = 3  # checked with every flag, before the model loads
     with pytest.raises(ValueError, match="--shard_index 3 is not in 0 .. --num_shards - 1 = 2"):
         ec.check_arguments(args)

@@ -35,9 +35,11 @@ from diffusion_embedder.evaluation.options import (
     ShardOptions,
     check_folder,
     check_model_options,
+    check_shares,
     command_parser,
     encoder_overrides,
     option,
+    process_share,
     with_encoder_settings,
 )
 from diffusion_embedder.evaluation.results import computed_settings, weights_hash
@@ -197,20 +199,13 @@ def check_arguments(args) -> None:
         raise UsageError("Give one of --corpus (a JSONL file) or --task_name (an mteb task).")
     if args.corpus:
         check_file(args.corpus, "--corpus")
-    if not 0 <= args.shard_index < args.num_shards:
-        raise UsageError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+    check_shares(args)
 
 
 def _read_corpus(args) -> Corpus:
     if args.task_name:
         return read_task_corpus(args.task_name, args.split, args.subset, args.data_dir)
     return read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
-
-
-def _shard(args) -> tuple[int, int]:
-    """``(index, count)`` of this process: the job array's shard, split again over torchrun's ranks."""
-    world = distributed.world_size()
-    return args.shard_index * world + distributed.rank(), args.num_shards * world
 
 
 def store_manifest(encoder, corpus: Corpus, chunk_size: int, base_model_name_or_path: str | None,
@@ -269,7 +264,7 @@ def encode_corpus(args) -> EncodeStats:
     """Encode this process's chunks of the corpus into ``args.output_dir``, skipping those already complete."""
     check_arguments(args)
     load_device, encode_device = distributed.placement(args.device)
-    shard, num_shards = _shard(args)
+    shard, num_shards = process_share(args)
     corpus = _read_corpus(args)
     check_corpus_there(args.output_dir, {
         "corpus": {"fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},

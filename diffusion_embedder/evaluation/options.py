@@ -82,6 +82,20 @@ class ShardOptions:
                                               bounds=BOUNDS["max_tokens_per_batch"])
 
 
+def check_shares(args) -> None:
+    """``ShardOptions`` together: this process's share is one of the shares (each value alone is checked by its
+    bounds)."""
+    if not 0 <= args.shard_index < args.num_shards:
+        raise UsageError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+
+
+def process_share(args) -> tuple[int, int]:
+    """``(index, count)`` of this process's share of the chunks: the job array's shard, split again over torchrun's
+    ranks."""
+    world = distributed.world_size()
+    return args.shard_index * world + distributed.rank(), args.num_shards * world
+
+
 def add_options(parser: argparse.ArgumentParser, options: type) -> None:
     """One flag per field of the ``options`` dataclass (a list is ``nargs="+"``, a bool a switch); every value is
     read and checked by ``text_type`` from the field's type, choices and bounds."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from diffusion_embedder import distributed
 from diffusion_embedder.evaluation.encode_corpus import Corpus, EncodeStats, encode_chunks, store_manifest
-from diffusion_embedder.evaluation.options import encoder_overrides
+from diffusion_embedder.evaluation.options import encoder_overrides, process_share
 from diffusion_embedder.evaluation.sharding import load_checkpoint
 from diffusion_embedder.evaluation.store import EmbeddingStore, check_manifest, chunk_name
 from diffusion_embedder.mining import output
@@ -74,8 +74,7 @@ def prepare(args, encoder=None) -> Prepared:
     check_options(args)
     inputs = read_inputs(args)
     load_device, encode_device = distributed.placement(args.device)
-    world = distributed.world_size()
-    shard, num_shards = args.shard_index * world + distributed.rank(), args.num_shards * world
+    shard, num_shards = process_share(args)
     if encoder is None:
         encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                   load_device, **encoder_overrides(args))

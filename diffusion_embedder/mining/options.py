@@ -16,6 +16,7 @@ from diffusion_embedder.evaluation.options import (
     ShardOptions,
     check_folder,
     check_model_options,
+    check_shares,
     option,
     with_encoder_settings,
 )
@@ -102,8 +103,7 @@ def check_options(args) -> None:
     if args.num_negatives > args.range_max - args.range_min:
         raise MiningError(f"--num_negatives {args.num_negatives} is more than the window holds: --range_max "
                           f"{args.range_max} - --range_min {args.range_min} = {args.range_max - args.range_min}.")
-    if not 0 <= args.shard_index < args.num_shards:
-        raise MiningError(f"--shard_index {args.shard_index} is not in 0 .. --num_shards - 1 = {args.num_shards - 1}.")
+    check_shares(args)
     if args.max_score is not None and args.min_score is not None and args.min_score > args.max_score:
         raise MiningError(f"--min_score {args.min_score} is above --max_score {args.max_score}: nothing could pass.")
     if not args.query_field or not args.positive_field:
