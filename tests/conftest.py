@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ from isolation import built_once, unchanged_global_state, worker_threads
 from transformers import AutoConfig, AutoModel
 
 from diffusion_embedder import varlen  # noqa: F401  registered before any test: a registration a test leaves shows
+
+#: Offline, with caches of their own, for every test (set before any test module imports datasets or mteb).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf_datasets_"))
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLAMA_FIXTURE = FIXTURES / "llm2vec_parity" / "llama"

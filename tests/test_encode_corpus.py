@@ -14,23 +14,18 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA_FIXTURE, ROOT
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE, ROOT  # noqa: E402
-
-from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
-from diffusion_embedder.evaluation import encode_corpus as ec  # noqa: E402
-from diffusion_embedder.evaluation import store  # noqa: E402
-from diffusion_embedder.evaluation.options import process_share  # noqa: E402
+from diffusion_embedder.data.jsonl import DataFormatError
+from diffusion_embedder.evaluation import encode_corpus as ec
+from diffusion_embedder.evaluation import store
+from diffusion_embedder.evaluation.options import process_share
 
 CORPUS = ROOT / "tests" / "fixtures" / "beir" / "reasonaug" / "corpus.jsonl"
 SCRIPT = ROOT / "experiments" / "encode_corpus.py"

@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA_FIXTURE
 from numerics import ORDER_EPS, assert_close_normwise
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE  # noqa: E402
-
-from diffusion_embedder import Encoder, cli, clihelp  # noqa: E402
-from diffusion_embedder.config import setting_fields  # noqa: E402
-from diffusion_embedder.evaluation import run  # noqa: E402
-from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
-from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
+from diffusion_embedder import Encoder, cli, clihelp
+from diffusion_embedder.config import setting_fields
+from diffusion_embedder.evaluation import run
+from diffusion_embedder.evaluation.cache import EmbeddingCache
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
 
 INSTRUCTIONS = Path(__file__).parent / "fixtures" / "beir" / "instructions"
 REASONAUG = Path(__file__).parent / "fixtures" / "beir" / "reasonaug"

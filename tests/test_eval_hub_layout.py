@@ -4,23 +4,16 @@ folders laid out like their hub repositories, so the offline path runs mteb's ow
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="hf_datasets_"))
+import numpy as np
+import pytest
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from diffusion_embedder.evaluation import run  # noqa: E402
-from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
-from diffusion_embedder.evaluation.tasks import load_instructions  # noqa: E402
+from diffusion_embedder.evaluation import run
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
+from diffusion_embedder.evaluation.tasks import load_instructions
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA_FIXTURE
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE  # noqa: E402
-
-from diffusion_embedder import Encoder  # noqa: E402
-from diffusion_embedder.evaluation import report, run  # noqa: E402
-from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
+from diffusion_embedder import Encoder
+from diffusion_embedder.evaluation import report, run
+from diffusion_embedder.evaluation.local import load_local_task
 
 BEIR = Path(__file__).parent / "fixtures" / "beir"
 REASONAUG = BEIR / "reasonaug"

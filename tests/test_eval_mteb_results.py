@@ -5,23 +5,17 @@ says what we know and can load the model again."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
+import mteb
+import pytest
+import torch
+from conftest import LLAMA_FIXTURE, randomize_lora_b
+from peft import LoraConfig, get_peft_model
 
-import mteb  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE, randomize_lora_b  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-
-from diffusion_embedder import Encoder, cli  # noqa: E402
-from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
-from diffusion_embedder.evaluation.results import checkpoint_name  # noqa: E402
+from diffusion_embedder import Encoder, cli
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
+from diffusion_embedder.evaluation.results import checkpoint_name
 
 INSTRUCTIONS = Path(__file__).parent / "fixtures" / "beir" / "instructions"
 TASK = "HandInstructionRetrieval"

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
+import torch
+from conftest import LLAMA_FIXTURE
 from numerics import ORDER_EPS, assert_close_normwise
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("MTEB_CACHE", tempfile.mkdtemp(prefix="mteb_cache_"))
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from conftest import LLAMA_FIXTURE  # noqa: E402
-
-from diffusion_embedder import Encoder  # noqa: E402
-from diffusion_embedder.evaluation import local, tasks  # noqa: E402
-from diffusion_embedder.evaluation.cache import EmbeddingCache  # noqa: E402
-from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
-from diffusion_embedder.evaluation.results import check_identity  # noqa: E402
+from diffusion_embedder import Encoder
+from diffusion_embedder.evaluation import local, tasks
+from diffusion_embedder.evaluation.cache import EmbeddingCache
+from diffusion_embedder.evaluation.mteb_model import MTEBEncoder
+from diffusion_embedder.evaluation.results import check_identity
 
 BRIGHT_INSTRUCTION = (
     "Given this reasoning-intensive query, find relevant documents that could help answer the question:"
