@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from diffusion_embedder import compilation, outputs
 from diffusion_embedder import packing as packing_mod
 from diffusion_embedder.config import EncoderConfig
+from diffusion_embedder.cpu_forwards import concurrent_forwards, run_concurrently
 from diffusion_embedder.devices import check_device
 from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
@@ -278,9 +279,12 @@ def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> to
             Prefetcher(batches, depth=4) as ahead,
             tqdm(total=len(items), desc="Encoding", disable=not show_progress_bar) as bar,
         ):
-            for indices, features in ahead:
-                features = {k: v.to(target, non_blocking=True) for k, v in features.items()}
-                gathered.add(indices, encoder(features).float())
+            def forward(batch: tuple[list[int], dict[str, torch.Tensor]]) -> tuple[list[int], torch.Tensor]:
+                features = {k: v.to(target, non_blocking=True) for k, v in batch[1].items()}
+                return batch[0], encoder(features).float()
+
+            for indices, embeddings in run_concurrently(forward, ahead, concurrent_forwards(encoder.model, target)):
+                gathered.add(indices, embeddings)
                 bar.update(len(indices))
     return gathered.flush()
 
