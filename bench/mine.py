@@ -23,6 +23,7 @@ reported: on a machine shared with other work the CPU time moves less than the w
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -321,7 +322,7 @@ def main() -> None:
     import torch
 
     header = [f"Command: `python bench/mine.py {' '.join(sys.argv[1:])}`", "",
-              f"Date 2026-11-28, commit {commit()}, CPU {cpu_name()} ({os.cpu_count()} cores), "
+              f"Date {datetime.date.today()}, commit {commit()}, CPU {cpu_name()} ({os.cpu_count()} cores), "
               f"torch {torch.__version__}, load average at start {load_average()}.", ""]
     if args.gpu:
         lines = ["## GPU throughput (7B shape)", "", *header, *gpu_rows(args)]
