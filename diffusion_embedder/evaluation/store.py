@@ -55,11 +55,14 @@ def _flat(record: dict, prefix: str = "") -> dict:
     return out
 
 
-def _differences(stored: dict, manifest: dict) -> list[str]:
-    """What about the vectors differs between two manifests, one line each (settings named one by one)."""
-    old, new = _flat(stored), _flat(manifest)
+def _differences(stored: dict, manifest: dict, known_only: bool = False) -> list[str]:
+    """What about the vectors differs between two manifests, one line each (settings named one by one); with
+    ``known_only``, only what ``manifest`` holds (a manifest made before the model loads)."""
+    old, new = _flat(stored), _flat(json.loads(json.dumps(manifest)))
     lines = []
     for key in IDENTITY_KEYS:
+        if known_only and key not in new:
+            continue
         if key == "settings":
             before, after = old.get(key) or {}, new[key]
             lines += [f"encoder setting {k}: {before.get(k)!r} there, {after.get(k)!r} now"
@@ -95,7 +98,7 @@ def check_manifest(folder: str, manifest: dict) -> None:
     ``manifest``; write nothing."""
     path = os.path.join(folder, MANIFEST)
     if os.path.exists(path):
-        _refuse_other(folder, _differences(read_json_object(path, ValueError), json.loads(json.dumps(manifest))))
+        _refuse_other(folder, _differences(read_json_object(path, ValueError), manifest))
 
 
 def _refuse_other(folder: str, differences: list[str]) -> None:
@@ -109,9 +112,7 @@ def check_corpus_there(folder: str, manifest: dict) -> None:
     part known without the model) is refused as ``claim_folder`` would refuse it after loading."""
     path = os.path.join(folder, MANIFEST)
     if os.path.isfile(path):
-        old, new = _flat(read_json_object(path, OtherEmbeddings)), _flat(manifest)
-        _refuse_other(folder, [f"{key}: {old.get(key)!r} there, {new[key]!r} now" for key in IDENTITY_KEYS
-                               if key in new and old.get(key) != new[key]])
+        _refuse_other(folder, _differences(read_json_object(path, OtherEmbeddings), manifest, known_only=True))
 
 
 def _check_chunk(
