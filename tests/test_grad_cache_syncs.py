@@ -47,14 +47,14 @@ def test_grad_cache_step_waits_at_most_twice_per_chunk(tmp_path, layout, chunk):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-def test_the_direct_step_of_a_packed_or_padded_batch_is_counted_too(tmp_path, layout):
-    """The counter sees the forward's own waits: transformers reads a padded batch's mask (once per column)."""
+def test_the_direct_step_of_a_packed_or_padded_batch_waits_once(tmp_path, layout):
+    """The direct step's one wait is the NaN check, padded or packed: a padded batch's key-padding mask is passed
+    as it is (transformers' own mask building read each column's mask: 3 more waits a step)."""
     trainer = built(tmp_path, lora_dropout=0.1)
     collator = ContrastiveCollator(trainer.model, num_negatives=1, pack_length=None if layout == "padded" else 128)
     inputs = trainer._prepare_inputs(collator([trainer.train_dataset[i] for i in range(ROWS)]))
     sites = step_syncs(trainer, inputs, None).sites
-    expected = {"trainer.py": 1, "masking_utils.py": 3 if layout == "padded" else 0}
-    assert {f: sum(n for s, n in sites.items() if s.startswith(f)) for f in expected} == expected, dict(sites)
+    assert sum(sites.values()) == 1 and next(iter(sites)).startswith("trainer.py"), dict(sites)
 
 
 def test_host_syncs_counts_each_kind_of_wait():
