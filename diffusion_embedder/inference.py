@@ -32,7 +32,7 @@ from diffusion_embedder.prefetch import Prefetcher
 from diffusion_embedder.quantization import check_precision, quantize_embeddings
 from diffusion_embedder.templates import TextInput, parse_input, parse_inputs
 from diffusion_embedder.tokenization import Tokenized, tokenize_chunk, warn_truncated
-from diffusion_embedder.values import AT_LEAST_ONE, OptionError, problem
+from diffusion_embedder.values import AT_LEAST_ONE, require
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ BOUNDS = {"batch_size": AT_LEAST_ONE, "max_tokens_per_batch": AT_LEAST_ONE, "chu
 
 def check_number(name: str, value, tp=int) -> None:
     """An ``OptionError`` naming ``name`` and ``value`` where it is not of type ``tp`` within ``BOUNDS[name]``."""
-    found = problem(name, value, tp, bounds=BOUNDS[name])
-    if found:
-        raise OptionError(found)
+    require(name, value, tp, bounds=BOUNDS[name])
 
 
 def check_batch_size(batch_size) -> None:

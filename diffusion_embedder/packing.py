@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from diffusion_embedder import varlen
-from diffusion_embedder.values import OptionError, problem
+from diffusion_embedder.values import require
 
 logger = logging.getLogger(__name__)
 
@@ -382,10 +382,7 @@ SLOW_PADDED = {
 
 
 def check_packing(choice) -> str | bool:
-    found = problem("packing", choice, PACKING_TYPE)
-    if found:
-        raise OptionError(found)
-    return choice
+    return require("packing", choice, PACKING_TYPE)
 
 
 def use_packing(choice: str | bool, model: torch.nn.Module, device_type: str, longest: int) -> bool:

@@ -117,6 +117,14 @@ def problem(name: str, value: Any, tp: Any, choices=None, bounds: Bounds | None 
     return choice_problem(name, value, choices) or range_problem(name, value, bounds)
 
 
+def require(name: str, value: Any, tp: Any, choices=None, bounds: Bounds | None = None) -> Any:
+    """``value``, or ``OptionError`` with ``problem``'s message where it cannot be field ``name``."""
+    found = problem(name, value, tp, choices, bounds)
+    if found:
+        raise OptionError(found)
+    return value
+
+
 def from_text(raw: str, tp: Any) -> Any:
     """The value a command-line text spells for a field of type ``tp``: the JSON value it is (a number, a list, an
     object; ``true``/``false`` where a bool is allowed, ``null``/``None`` where None is) when the type allows that
@@ -138,11 +146,7 @@ def from_text(raw: str, tp: Any) -> Any:
 
 def parse_text(name: str, raw: str, tp: Any, choices=None, bounds: Bounds | None = None) -> Any:
     """``from_text``, checked by ``problem``: the value, or ``OptionError`` naming the field and the value."""
-    value = from_text(raw, tp)
-    found = problem(name, value, tp, choices, bounds)
-    if found:
-        raise OptionError(found)
-    return value
+    return require(name, from_text(raw, tp), tp, choices, bounds)
 
 
 def text_type(name: str, tp: Any, choices=None, bounds: Bounds | None = None,

@@ -23,7 +23,7 @@ from diffusion_embedder.evaluation.sharding import CHUNK_SIZE
 from diffusion_embedder.files import folder_problem
 from diffusion_embedder.inference import BOUNDS
 from diffusion_embedder.release_configs import BackboneConfigError
-from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, OptionError, problem, text_type
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, OptionError, require, text_type
 
 #: ``eval``'s and ``encode``'s errors in our words, reported as the message alone (no traceback) with this exit
 #: status: 2, the command could not start (a flag, the corpus or a data file, the checkpoint's files, an output
@@ -160,10 +160,9 @@ def check_model_options(args, options: type) -> None:
     hints = typing.get_type_hints(options)
     for f in dataclasses.fields(options):
         value = getattr(args, f.name)
-        choices = None if isinstance(value, list) else f.metadata.get("choices")
-        found = None if value is None else problem(f.name, value, hints[f.name], choices, f.metadata.get("bounds"))
-        if found:
-            raise OptionError(found)
+        if value is not None:
+            choices = None if isinstance(value, list) else f.metadata.get("choices")
+            require(f.name, value, hints[f.name], choices, f.metadata.get("bounds"))
     check_values(encoder_overrides(args), "encoder settings")
     if not args.base_model_name_or_path:
         raise UsageError("--base_model_name_or_path is required.")
