@@ -170,7 +170,7 @@ def random_stores(folder: Path, num_docs: int, num_queries: int, dim: int) -> No
     """Stores of random vectors in encode's layout (chunks of 1024 rows), written without a model."""
     import numpy as np
 
-    from diffusion_embedder.evaluation.store import FORMAT, _write_chunk, identity
+    from diffusion_embedder.evaluation.store import FORMAT, identity, write_chunk
 
     rng = np.random.default_rng(0)
     for name, rows in (("documents", num_docs), ("queries", num_queries)):
@@ -180,7 +180,7 @@ def random_stores(folder: Path, num_docs: int, num_queries: int, dim: int) -> No
         (folder / name).mkdir(parents=True)
         (folder / name / "manifest.json").write_text(json.dumps(manifest))
         for index, (lo, hi) in enumerate(spans):
-            _write_chunk(str(folder / name), index, [str(i) for i in range(lo, hi)], (lo, hi),
+            write_chunk(str(folder / name), index, [str(i) for i in range(lo, hi)], (lo, hi),
                          rng.normal(size=(hi - lo, dim)).astype(np.float32), identity(manifest))
 
 

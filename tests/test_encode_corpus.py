@@ -125,7 +125,7 @@ def test_a_killed_rank_leaves_complete_chunks_and_the_rerun_encodes_only_the_res
     assert (out / "chunk-000003.npy").exists()  # its rows are there, without their record
     made_by = store.identity(json.loads((out / "manifest.json").read_text()))
     for index in done:
-        store._check_chunk(str(out), index, 64, made_by)  # every chunk with a record is complete and intact
+        store.check_chunk(str(out), index, 64, made_by)  # every chunk with a record is complete and intact
     with pytest.raises(ValueError, match="was not completed"):
         store.load_embeddings(str(out))
     stats = ec.encode_corpus(ec.parse_args(argv(out, "--device", "cpu")))

@@ -269,7 +269,7 @@ def test_faiss_and_any_block_size_give_the_exact_search_s_negatives(stores, tmp_
 
 def write_store(folder: Path, rows: np.ndarray, chunk: int) -> None:
     """An embedding store of ``rows`` in chunks of ``chunk``, as ``encode`` writes one."""
-    from diffusion_embedder.evaluation.store import FORMAT, _write_chunk, identity
+    from diffusion_embedder.evaluation.store import FORMAT, identity, write_chunk
 
     ids = [f"{folder.name}{i}" for i in range(len(rows))]
     spans = [(lo, min(lo + chunk, len(rows))) for lo in range(0, len(rows), chunk)]
@@ -278,7 +278,7 @@ def write_store(folder: Path, rows: np.ndarray, chunk: int) -> None:
     folder.mkdir()
     (folder / "manifest.json").write_text(json.dumps(manifest))
     for index, (lo, hi) in enumerate(spans):
-        _write_chunk(str(folder), index, ids[lo:hi], (lo, hi), rows[lo:hi], identity(manifest))
+        write_chunk(str(folder), index, ids[lo:hi], (lo, hi), rows[lo:hi], identity(manifest))
 
 
 def test_search_ranks_ties_by_corpus_order_and_holds_one_block_of_scores_at_a_time(tmp_path, monkeypatch):

@@ -48,12 +48,12 @@ from diffusion_embedder.evaluation.store import (
     FORMAT,
     MANIFEST,
     OtherEmbeddings,
-    _check_chunk,
-    _write_chunk,
+    check_chunk,
     check_corpus_there,
     chunk_name,
     claim_folder,
     identity,
+    write_chunk,
 )
 from diffusion_embedder.files import check_file, read_json_object
 
@@ -208,6 +208,14 @@ def _read_corpus(args) -> Corpus:
     return read_corpus_file(args.corpus, args.id_field, args.text_field, args.title_field)
 
 
+def corpus_manifest(corpus: Corpus, chunk_size: int) -> dict:
+    """The part of a store's manifest known before the model loads: the corpus and its chunk plan."""
+    return {
+        "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
+        "chunks": {"chunk_size": chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(corpus.chunks(chunk_size))},
+    }
+
+
 def store_manifest(encoder, corpus: Corpus, chunk_size: int, base_model_name_or_path: str | None,
                    peft_model_name_or_path: str | None = None, num_shards: int = 1) -> dict:
     """The manifest of ``corpus``'s embeddings by ``encoder`` in chunks of ``chunk_size``: the model (paths for
@@ -221,8 +229,7 @@ def store_manifest(encoder, corpus: Corpus, chunk_size: int, base_model_name_or_
         "settings": computed_settings(encoder.config.to_dict()),
         "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
         "embedding_dim": encoder.embedding_dim,
-        "corpus": {"source": corpus.source, "fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
-        "chunks": {"chunk_size": chunk_size, "chunk_chars": CHUNK_CHARS, "num_chunks": len(corpus.chunks(chunk_size))},
+        **corpus_manifest(corpus, chunk_size),
         "num_shards": num_shards,
     }
 
@@ -245,7 +252,7 @@ def encode_chunks(encoder, corpus: Corpus, folder: str, manifest: dict, shard: i
         start, end = chunks[index]
         ids = corpus.ids[start:end]
         try:
-            _check_chunk(folder, index, encoder.embedding_dim, made_by, ids)
+            check_chunk(folder, index, encoder.embedding_dim, made_by, ids)
             stats.skipped_chunks += 1
             continue
         except ValueError as e:
@@ -254,7 +261,7 @@ def encode_chunks(encoder, corpus: Corpus, folder: str, manifest: dict, shard: i
         vectors = encode_chunk(encoder, corpus.inputs(start, end), device, batch_size=batch_size,
                                show_progress_bar=False, max_tokens_per_batch=max_tokens_per_batch,
                                **corpus.encode_kwargs(encoder))
-        _write_chunk(folder, index, ids, (start, end), vectors, made_by)
+        write_chunk(folder, index, ids, (start, end), vectors, made_by)
         stats.encoded_texts += end - start
         stats.chunks.append(index)
     return stats
@@ -266,10 +273,7 @@ def encode_corpus(args) -> EncodeStats:
     load_device, encode_device = distributed.placement(args.device)
     shard, num_shards = process_share(args)
     corpus = _read_corpus(args)
-    check_corpus_there(args.output_dir, {
-        "corpus": {"fingerprint": corpus.fingerprint, "num_rows": len(corpus.ids)},
-        "chunks": {"chunk_size": args.chunk_size, "chunk_chars": CHUNK_CHARS,
-                   "num_chunks": len(corpus.chunks(args.chunk_size))}})
+    check_corpus_there(args.output_dir, corpus_manifest(corpus, args.chunk_size))
     encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                               load_device, **encoder_overrides(args))
     manifest = store_manifest(encoder, corpus, args.chunk_size, args.base_model_name_or_path,

@@ -115,7 +115,7 @@ def check_corpus_there(folder: str, manifest: dict) -> None:
         _refuse_other(folder, _differences(read_json_object(path, OtherEmbeddings), manifest, known_only=True))
 
 
-def _check_chunk(
+def check_chunk(
     folder: str, index: int, dim: int, made_by: str, ids: list[str] | None = None
 ) -> tuple[dict, np.ndarray]:
     """The record and memory-mapped rows of a complete, intact chunk made under identity ``made_by``, or
@@ -137,7 +137,7 @@ def _check_chunk(
     return record, rows
 
 
-def _write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray,
+def write_chunk(folder: str, index: int, ids: list[str], rows: tuple[int, int], vectors: np.ndarray,
                  made_by: str) -> None:
     """The chunk's rows, then its record (temporary files renamed into place, the record last)."""
     base = os.path.join(folder, chunk_name(index))
@@ -194,7 +194,7 @@ class EmbeddingStore:
         starts = [0]
         for index in range(self.manifest["chunks"]["num_chunks"]):
             try:
-                record, _ = _check_chunk(folder, index, self.dim, made_by)
+                record, _ = check_chunk(folder, index, self.dim, made_by)
             except ValueError as e:
                 raise ValueError(f"{e}; rerun the command that wrote {folder} to finish it.") from None
             if record.get("rows") != [len(self.ids), len(self.ids) + len(record["ids"])]:
