@@ -40,13 +40,14 @@ def argv(pairs: Path, corpus: Path | None, out: Path, *extra: str) -> list[str]:
             "--no_progress_bar", "--chunk_size", "16", *(["--corpus", str(corpus)] if corpus else []), *extra]
 
 
+def no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the input was checked")
+
+
 @pytest.fixture
 def no_model(monkeypatch):
     """The model must not load: bad input is refused before."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the input was checked")
-
-    monkeypatch.setattr(mine_mod, "load_checkpoint", refuse)
+    monkeypatch.setattr(mine_mod, "load_checkpoint", no_load)
 
 
 BAD = {
@@ -301,7 +302,11 @@ def test_a_rerun_with_the_same_inputs_reuses_and_a_changed_option_or_positive_mi
     assert rerun(run).status == "mined"
 
 
-def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tmp_path, family_checkpoint):
+def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tmp_path, family_checkpoint,
+                                                                       monkeypatch):
+    """Another model or setting is refused once the model loads; another corpus, queries or instruction before
+    (they are known without the model), as ``encode`` refuses them."""
+    real = mine_mod.load_checkpoint
     cases = {
         "model.weights_sha256": {"base_model_name_or_path": str(family_checkpoint("llama"))},
         "encoder setting pooling_mode": {"pooling_mode": "weighted_mean"},
@@ -314,6 +319,7 @@ def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tm
         shutil.copytree(mined, run)
         before = {p: p.read_bytes() for p in (run / "out").rglob("*") if p.is_file()}
         options = change if isinstance(change, dict) else {}
+        monkeypatch.setattr(mine_mod, "load_checkpoint", real if options else no_load)
         if change == "corpus":
             docs = [json.loads(line) for line in (run / "corpus.jsonl").read_text().splitlines()]
             docs[-1]["text"] += " changed"

@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from diffusion_embedder import distributed
-from diffusion_embedder.evaluation.encode_corpus import Corpus, EncodeStats, encode_chunks, store_manifest
+from diffusion_embedder.evaluation.encode_corpus import (
+    Corpus,
+    EncodeStats,
+    corpus_manifest,
+    encode_chunks,
+    store_manifest,
+)
 from diffusion_embedder.evaluation.options import encoder_overrides, process_share
 from diffusion_embedder.evaluation.sharding import load_checkpoint
-from diffusion_embedder.evaluation.store import EmbeddingStore, check_manifest, chunk_name
+from diffusion_embedder.evaluation.store import EmbeddingStore, check_corpus_there, check_manifest, chunk_name
 from diffusion_embedder.mining import output
 from diffusion_embedder.mining.filters import REASONS, query_seed, select
 from diffusion_embedder.mining.inputs import MiningInputs, read_inputs
@@ -69,16 +75,19 @@ def _corpus(inputs: MiningInputs, name: str) -> Corpus:
 
 
 def prepare(args, encoder=None) -> Prepared:
-    """Check every option and input (before the model loads or anything is written), load the model, check the
-    stores are this model's, settings' and inputs', then encode this process's share of both."""
+    """Check every option and input and that neither store holds another corpus (before the model loads or anything
+    is written), load the model, check the stores are this model's and settings', then encode this process's share
+    of both."""
     check_options(args)
     inputs = read_inputs(args)
     load_device, encode_device = distributed.placement(args.device)
     shard, num_shards = process_share(args)
+    folders = {name: os.path.join(args.output_dir, name) for name in STORES}
+    for name in STORES:
+        check_corpus_there(folders[name], corpus_manifest(_corpus(inputs, name), args.chunk_size))
     if encoder is None:
         encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                   load_device, **encoder_overrides(args))
-    folders = {name: os.path.join(args.output_dir, name) for name in STORES}
     manifests = {name: store_manifest(encoder, _corpus(inputs, name), args.chunk_size, args.base_model_name_or_path,
                                       args.peft_model_name_or_path, num_shards) for name in STORES}
     for name in STORES:
