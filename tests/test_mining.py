@@ -12,6 +12,7 @@ positives rank high and every filter has something to keep and something to drop
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import random
 import shutil
@@ -314,6 +315,66 @@ def test_search_ranks_ties_by_corpus_order_and_holds_one_block_of_scores_at_a_ti
         scores = np.concatenate([b.scores for _, b in blocks])
         assert_close_normwise(scores, np.take_along_axis(brute, expected, 1), eps_multiple=HAND_EPS,
                               dtype=torch.float64, msg="float64 scores")
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot", "euclidean", "manhattan"])
+def test_more_ties_than_the_slack_still_rank_by_corpus_order(tmp_path, similarity):
+    """A document repeated 60 times, the k-th place inside the repeats: the float32 search returns only k + SLACK of
+    them, an arbitrary few; the queries it concerns are searched again wider, so both searches and every block size
+    give the brute force's first k, the repeats in corpus order."""
+    import torch
+
+    from diffusion_embedder.evaluation.store import EmbeddingStore
+    from diffusion_embedder.mining.search import SLACK, search
+    from diffusion_embedder.similarity import SIMILARITY_PAIRWISE
+
+    rng = np.random.default_rng(2)
+    docs = rng.normal(size=(400, 8)).astype(np.float32)
+    repeats = np.sort(rng.choice(400, size=60, replace=False))
+    docs[repeats] = docs[repeats[-1]] * 3  # long, so it leads for the dot product too
+    queries = np.concatenate([docs[repeats[:1]] * 1.01, docs[repeats[:1]] * 0.5 + rng.normal(size=(1, 8)) * 0.1,
+                              rng.normal(size=(3, 8))]).astype(np.float32)
+    write_store(tmp_path / "docs", docs, 64)
+    write_store(tmp_path / "queries", queries, 64)
+    documents, asked = EmbeddingStore(str(tmp_path / "docs")), EmbeddingStore(str(tmp_path / "queries"))
+    # pair by pair, so equal documents get equal float64 scores (a matrix product can round rows differently)
+    brute = SIMILARITY_PAIRWISE[similarity](torch.from_numpy(queries).double()[:, None],
+                                            torch.from_numpy(docs).double()[None])
+    k = 30
+    expected = np.stack([sorted(range(400), key=lambda j, row=row: (-row[j], j))[:k] for row in brute.numpy()])
+    assert set(expected[0]) <= set(repeats) and k + SLACK < 60  # the boundary inside the repeats
+    methods = ["exact", "faiss"] if importlib.util.find_spec("faiss") else ["exact"]
+    for method, document_block in [(m, b) for m in methods for b in (400, 37)]:
+        found = np.concatenate([b.indices for _, b in search(asked, documents, k, similarity, method=method,
+                                                             document_block=document_block)])
+        assert np.array_equal(found, expected), (method, document_block)
+
+
+def test_a_search_whose_rounding_could_hide_a_better_document_is_asked_again_wider(tmp_path):
+    """The widening allows for the float32 rounding measured on the returned candidates: a search whose scores are
+    off by up to 0.05 (measured), whose weakest candidate is within twice that of the k-th place, is asked again
+    until the corpus is exhausted, and finds the document its rounding had hidden."""
+    from diffusion_embedder.evaluation.store import EmbeddingStore
+    from diffusion_embedder.mining.search import SLACK, _ranked
+
+    true = np.array([1.0, *(0.8 + 0.001 * np.arange(1, 39)), 0.95])  # the last ranks second, truly
+    noise = np.array([0.05 * (-1) ** i for i in range(39)] + [-0.2])  # its score is rounded to the last place
+    write_store(tmp_path / "docs", true[:, None].astype(np.float32), 16)
+    documents, asked = EmbeddingStore(str(tmp_path / "docs")), []
+
+    def nearest(rows, wide):
+        asked.append(wide)
+        rough = np.tile(true + noise, (len(rows), 1))
+        found = np.argsort(-rough, axis=1, kind="stable")[:, :wide]
+        return found, np.take_along_axis(rough, found, 1)
+
+    indices, _ = _ranked(np.ones((1, 1), np.float32), documents, 2, 2 + SLACK, "dot", nearest)
+    assert list(indices[0]) == [0, 39] and asked == [2 + SLACK, 2 * (2 + SLACK), 40]
+    # an approximate index that returned fewer than asked has nothing more to give: not asked again
+    asked.clear()
+    fewer = lambda rows, wide: tuple(np.where(np.arange(wide) < 3, a, -1) for a in nearest(rows, wide))  # noqa: E731
+    indices, _ = _ranked(np.ones((1, 1), np.float32), documents, 2, 2 + SLACK, "dot", fewer)
+    assert list(indices[0]) == [0, 38] and asked == [2 + SLACK]
 
 
 @pytest.mark.parametrize("similarity", ["cosine", "dot", "euclidean", "manhattan"])

@@ -9,12 +9,18 @@ Either way the candidates, a few more than asked for (``SLACK``), are scored aga
 score, then by corpus position: float32 products in different orders (blocks, FAISS's kernels) differ in their
 last bits, and this makes the ranking, and so the negatives, the same for both searches and for any block size.
 Two candidates whose float64 scores are equal are a tie; the earlier document in the corpus ranks first.
+
+The float32 search alone cannot promise that: where more than ``SLACK`` documents tie, or nearly tie, with a
+query's k-th candidate (a document repeated many times in the corpus), it keeps an arbitrary few of them. So each
+query's weakest float32 score is compared with its k-th float64 score, allowing twice the largest float32 rounding
+measured in its block: where a document the search did not return could still reach the k-th place, that query
+is searched again with twice as many candidates, until none could or the whole corpus was returned.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +49,9 @@ class Candidates:
 
 
 def _exact(queries: torch.Tensor, documents: EmbeddingStore, k: int, similarity: str, block: int,
-           device: torch.device) -> torch.Tensor:
-    """Indices of the ``k`` best documents of each query (float32, unordered among themselves): each block's top k
-    merged into the running top k, so one block of scores is held at a time."""
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the ``k`` best documents of each query and their float32 scores (unordered among themselves):
+    each block's top k merged into the running top k, so one block of scores is held at a time."""
     best_scores = best_indices = None
     score = SIMILARITY_FUNCTIONS[similarity]
     for start, rows in documents.blocks(block):
@@ -57,7 +63,12 @@ def _exact(queries: torch.Tensor, documents: EmbeddingStore, k: int, similarity:
             top_scores, top = torch.cat([best_scores, top_scores], dim=1), torch.cat([best_indices, top], dim=1)
         best_scores, keep = torch.topk(top_scores, min(k, top_scores.shape[1]), dim=1)
         best_indices = torch.gather(top, 1, keep)
-    return best_indices
+    return best_indices, best_scores
+
+
+#: FAISS's distances as the similarity's scores: its L2 metric gives squared distances; inner products are scores.
+_FAISS_SCORES = {"cosine": lambda d: d, "dot": lambda d: d, "euclidean": lambda d: -np.sqrt(np.maximum(d, 0)),
+                 "manhattan": lambda d: -d}
 
 
 class _Faiss:
@@ -67,6 +78,7 @@ class _Faiss:
         import faiss
 
         self.faiss = faiss
+        self.similarity = similarity
         self.normalize = similarity == "cosine"
         metrics = {"cosine": faiss.METRIC_INNER_PRODUCT, "dot": faiss.METRIC_INNER_PRODUCT,
                    "euclidean": faiss.METRIC_L2, "manhattan": faiss.METRIC_L1}
@@ -85,9 +97,10 @@ class _Faiss:
             self.faiss.normalize_L2(rows)
         return rows
 
-    def nearest(self, queries: np.ndarray, k: int) -> np.ndarray:
-        _, indices = self.index.search(self._prepare(queries), k)
-        return indices
+    def nearest(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` nearest documents' indices (-1: none) and their float32 scores on the similarity's scale."""
+        distances, indices = self.index.search(self._prepare(queries), k)
+        return indices, _FAISS_SCORES[self.similarity](distances.astype(np.float64))
 
 
 def score_pairs(queries: np.ndarray, documents: EmbeddingStore, indices: np.ndarray, similarity: str) -> np.ndarray:
@@ -105,14 +118,29 @@ def score_pairs(queries: np.ndarray, documents: EmbeddingStore, indices: np.ndar
     return scores
 
 
-def rescore(queries: np.ndarray, documents: EmbeddingStore, indices: np.ndarray, similarity: str,
-            k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The candidates ``indices`` (rows: queries; -1: none) scored in float64 and ordered by score, then by corpus
-    position; the first ``k`` of each row."""
-    scores = score_pairs(queries, documents, indices, similarity)
-    position = np.where(indices >= 0, indices, np.iinfo(np.int64).max)
+def _ranked(queries: np.ndarray, documents: EmbeddingStore, k: int, wide: int, similarity: str,
+            nearest: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best documents of each query and their float64 scores, ordered by score, then by corpus position:
+    ``nearest`` asked for ``wide`` candidates, and again with twice as many for the queries where a document it did
+    not return could still rank within the first ``k``."""
+    found, rough = nearest(queries, wide)
+    scores = score_pairs(queries, documents, found, similarity)
+    position = np.where(found >= 0, found, np.iinfo(np.int64).max)
     order = np.lexsort((position, -scores), axis=-1)[:, :k]
-    return np.take_along_axis(indices, order, 1), np.take_along_axis(scores, order, 1)
+    indices, best = np.take_along_axis(found, order, 1), np.take_along_axis(scores, order, 1)
+    if wide < documents.num_rows:
+        valid = found >= 0
+        rough = np.asarray(rough, dtype=np.float64)
+        rounding = np.abs(rough - scores)[valid].max(initial=0.0)
+        weakest = np.where(valid, rough, np.inf).min(1)
+        # a row with fewer candidates than asked holds all that an approximate index finds: asking again is no use
+        again = np.flatnonzero(valid.all(1) & (weakest + 2 * rounding >= best[:, -1]))
+        if again.size:
+            wider = min(2 * wide, documents.num_rows)
+            logger.info("%d queries: a document not among their %d candidates could still rank within the first "
+                        "%d (ties or near-ties); searched again with %d.", again.size, wide, k, wider)
+            indices[again], best[again] = _ranked(queries[again], documents, k, wider, similarity, nearest)
+    return indices, best
 
 
 def search(queries: EmbeddingStore, documents: EmbeddingStore, k: int, similarity: str, *, method: str = "exact",
@@ -134,14 +162,16 @@ def search(queries: EmbeddingStore, documents: EmbeddingStore, k: int, similarit
     if queries.dim != documents.dim:
         raise ValueError(f"queries of dimension {queries.dim}, documents of dimension {documents.dim}")
     k = min(k, documents.num_rows)
-    wide = min(k + SLACK, documents.num_rows)
-    index = _Faiss(documents, similarity, faiss_index, document_block) if method == "faiss" else None
-    target = torch.device(device or "cpu")
+    if method == "faiss":
+        nearest = _Faiss(documents, similarity, faiss_index, document_block).nearest
+    else:
+        target = torch.device(device or "cpu")
+
+        def nearest(rows: np.ndarray, wide: int) -> tuple[np.ndarray, np.ndarray]:
+            found, rough = _exact(torch.from_numpy(rows).to(target), documents, wide, similarity, document_block,
+                                  target)
+            return found.cpu().numpy(), rough.cpu().numpy()
+
     for start, rows in queries.blocks(query_block):
-        if index is not None:
-            found = index.nearest(rows, wide)
-        else:
-            found = _exact(torch.from_numpy(rows).to(target), documents, wide, similarity, document_block,
-                           target).cpu().numpy()
-        indices, scores = rescore(rows, documents, found, similarity, k)
+        indices, scores = _ranked(rows, documents, k, min(k + SLACK, documents.num_rows), similarity, nearest)
         yield rows, Candidates(start, indices, scores)
