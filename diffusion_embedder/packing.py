@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from diffusion_embedder import varlen
-from diffusion_embedder.values import require
+from diffusion_embedder.values import AT_LEAST_ONE, require
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,6 @@ def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return value
-
-
 #: Device types whose packed forwards come in a bounded set of shapes, because their attention compiles a
 #: kernel per shape (flex_attention; ``torch.compile``): rows as wide as a power of two (at least
 #: ``MIN_BOUNDED_WIDTH``), and as many rows as a power of two, empty rows filling the last forward of a step.
@@ -98,8 +92,8 @@ def plan_batches(lengths: Sequence[int], width: int, rows_per_batch: int) -> lis
     """Text indices per forward: rows of at most ``width`` tokens (first-fit decreasing), fullest rows first,
     ``rows_per_batch`` rows per forward; a text longer than ``width`` is a forward of its own (it needs no mask).
     """
-    check_positive("rows_per_batch", rows_per_batch)
-    rows = pack_rows(lengths, check_positive("pack row length", width))
+    require("rows_per_batch", rows_per_batch, int, bounds=AT_LEAST_ONE)
+    rows = pack_rows(lengths, require("pack row length", width, int, bounds=AT_LEAST_ONE))
     rows.sort(key=lambda row: -sum(lengths[i] for i in row))
     batches: list[list[int]] = []
     group: list[list[int]] = []

@@ -78,6 +78,10 @@ def test_pack_rows_and_features_layout():
     assert [sorted(lengths[i] for i in b) for b in batches] == [[0, 100], [100], [3, 5, 7, 20, 60]]
     one_row_each = packing_mod.plan_batches(lengths, 60, 1)
     assert [sorted(lengths[i] for i in b) for b in one_row_each][2:] == [[60], [3, 5, 7, 20]]
+    for width, rows_per_batch, message in ((0, 1, "pack row length: must be >= 1, got 0"),
+                                           (60, 0, "rows_per_batch: must be >= 1, got 0")):
+        with pytest.raises(ValueError, match=message):
+            packing_mod.plan_batches(lengths, width, rows_per_batch)
 
     features = packing_mod.pack([([11, 12, 13], 2), ([21], 1), ([31, 32], 0)], capacity=4, pad_token_id=0)
     assert features["input_ids"].tolist() == [[11, 12, 13, 21], [31, 32, 0, 0]]

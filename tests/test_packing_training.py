@@ -47,8 +47,13 @@ def test_pack_length_setting_reaches_the_collator(tmp_path, monkeypatch):
     assert seen["data_collator"].pack_length == 96
     with pytest.raises(ConfigError, match="pack_length: must be >= 1, got 0"):
         make_config(tmp_path, pack_length=0)
-    with pytest.raises(ValueError, match="pack_length must be an integer >= 1"):
+    with pytest.raises(ValueError, match="pack_length: must be >= 1, got 0"):
         ContrastiveCollator(lambda pairs: {}, pack_length=0)
+    for bad, message in (({"pack_length": True}, r"pack_length: True \(bool\) is not of type"),
+                         ({"chunk_size": 0}, "chunk_size: must be >= 1, got 0"),
+                         ({"num_negatives": -1}, "num_negatives: must be >= 0, got -1")):
+        with pytest.raises(ValueError, match=message):
+            ContrastiveCollator(lambda pairs: {}, **bad)
 
 
 def test_checkpointing_flag_reaches_the_model_on_either_transformers_spelling(tmp_path):

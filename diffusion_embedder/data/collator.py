@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from diffusion_embedder.packed_chunks import pack_chunks
-from diffusion_embedder.packing import check_positive
+from diffusion_embedder.values import AT_LEAST_ONE, AT_LEAST_ZERO, require
 
 from .sample import Pair, TrainSample
 
@@ -42,13 +42,9 @@ class ContrastiveCollator:
     def __init__(
         self, tokenizer: Any, num_negatives: int = 1, pack_length: int | None = None, chunk_size: int | None = None
     ):
-        if num_negatives < 0:
-            raise ValueError(f"num_negatives must be >= 0, got {num_negatives}")
-        if pack_length is not None and (isinstance(pack_length, bool) or not isinstance(pack_length, int)
-                                        or pack_length < 1):
-            raise ValueError(f"pack_length must be an integer >= 1 or None, got {pack_length!r}")
-        if chunk_size is not None:
-            check_positive("chunk_size", chunk_size)
+        require("num_negatives", num_negatives, int, bounds=AT_LEAST_ZERO)
+        require("pack_length", pack_length, int | None, bounds=AT_LEAST_ONE)
+        require("chunk_size", chunk_size, int | None, bounds=AT_LEAST_ONE)
         self.pack_length = pack_length
         self.chunk_size = chunk_size
         tokenize = getattr(tokenizer, "tokenize", tokenizer)
