@@ -8,7 +8,8 @@ depend on what runs beside it.
 
 The threads share the model, so only forwards that change no state run this way: ``sdpa`` and ``eager``
 attention, eager layers (not ``torch.compile``'s), rotary embeddings that do not rescale themselves with the
-length (``dynamic``, ``longrope``). Anything else runs one forward at a time, as on a GPU.
+length (``dynamic``, ``longrope``), no accelerate hooks (a ``device_map`` that offloads loads each layer's weights
+in its forward and drops them after), no quantized weights. Anything else runs one forward at a time, as on a GPU.
 
 By default two forwards run at once where the process has at least two intra-op threads
 (``torch.get_num_threads()``), each forward on its share of them. ``DIFFUSION_EMBEDDER_CPU_FORWARDS`` sets the number
@@ -64,6 +65,10 @@ def sharing_problem(model: nn.Module) -> str | None:
         return f"attention {impl!r} (only {', '.join(sorted(STATELESS_ATTENTION))} run side by side)"
     if compiled_layers(model):
         return "compiled layers"
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        return "accelerate hooks (a device_map), which move weights in the forward"
+    if getattr(model.config, "quantization_config", None) is not None:
+        return "quantized weights"
     updating = {getattr(m, "rope_type", None) for m in model.modules()} & SELF_UPDATING_ROPE
     if updating:
         return f"{', '.join(sorted(updating))} rotary embeddings, which update themselves in the forward"

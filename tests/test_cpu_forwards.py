@@ -133,3 +133,27 @@ def test_encode_runs_its_forwards_side_by_side_with_the_vectors_of_one_at_a_time
         one_at_a_time = encoder.encode(texts, batch_size=2, show_progress_bar=False)
         assert names == {threading.current_thread().name}
     assert_close_normwise(side_by_side, one_at_a_time, eps_multiple=ORDER_EPS, rows=True)
+
+
+def test_a_model_whose_device_map_offloads_layers_runs_one_forward_at_a_time(tmp_path):
+    """accelerate's hooks load an offloaded layer's weights in its forward and drop them after: two forwards at once
+    broke each other ("Tensor on device cpu is not on the expected device meta"). Such a model, and a quantized one,
+    runs one forward at a time, and an explicit setting is refused."""
+    offloaded = {"embed_tokens": "cpu", "layers.0": "cpu", "layers.1": "disk", "norm": "cpu", "rotary_emb": "cpu"}
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32, device_map=offloaded,
+                                      offload_folder=str(tmp_path))
+    texts = [" ".join(["alpha", "beta", "gamma"][i % 3] for i in range(n)) for n in range(1, 200, 7)]
+    with torch_threads(2):
+        assert "accelerate hooks" in cpu_forwards.sharing_problem(encoder.model)
+        assert cpu_forwards.concurrent_forwards(encoder.model, CPU) == 1
+        vectors = encoder.encode(texts, batch_size=2, show_progress_bar=False)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(cpu_forwards.ENV_SETTING, "2")
+            with pytest.raises(ValueError, match="cannot be honoured for this model: accelerate hooks"):
+                encoder.encode(texts, batch_size=2, show_progress_bar=False)
+    plain = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32)
+    assert_close_normwise(vectors, plain.encode(texts, batch_size=2, show_progress_bar=False), eps_multiple=ORDER_EPS,
+                          rows=True)
+    quantized = tiny_llama()
+    quantized.config.quantization_config = {"quant_method": "bitsandbytes"}
+    assert cpu_forwards.sharing_problem(quantized) == "quantized weights"
