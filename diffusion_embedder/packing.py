@@ -307,7 +307,7 @@ def additive_key_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) 
 #: is (4D) and the kernel broadcasts, instead of the (B, 1, L, L) mask transformers builds for every forward
 #: (32 rows of 4,096 tokens: 512 MiB). Every real token's output is the same, bit for bit (tests); padded query
 #: rows attend to the real keys instead of none, and nothing reads them. On 2 CPU cores SDPA itself ran ~10%
-#: faster with it, a whole encode 1-4% (bench/results/cpu_forward.md).
+#: faster with it; a whole encode changed within the machine's noise, 0.96-1.05x (bench/results/cpu_forward.md).
 KEY_MASK_BUILDERS: dict[str, Callable] = {"sdpa": key_padding_mask, "eager": additive_key_padding_mask}
 
 
