@@ -96,9 +96,9 @@ def reference(folder: Path, options: dict, similarity: str = "cosine") -> list[l
     negative euclidean distance)."""
     corpus = read_jsonl(folder / "corpus.jsonl")
     pairs = read_jsonl(folder / "pairs.jsonl")
-    text_of = {d["_id"]: d["text"].strip() for d in corpus}
-    text_of |= {f"pairs:{n}": p["positive"] for n, p in enumerate(pairs, 1) if p["positive"] not in
-                {d["text"].strip() for d in corpus}}
+    text_of = {d["_id"]: d["text"].strip() for d in corpus}  # no titles in these corpora
+    text_of |= {f"pairs:{n}": p["positive"] for n, p in enumerate(pairs, 1) if normalized(p["positive"]) not in
+                {normalized(d["text"]) for d in corpus}}
     doc_ids, doc_vectors = load_embeddings(str(folder / "out" / "documents"))
     query_ids, query_vectors = load_embeddings(str(folder / "out" / "queries"))
     unit = lambda m: m.astype(np.float64) / np.linalg.norm(m.astype(np.float64), axis=1, keepdims=True)  # noqa: E731
@@ -108,26 +108,32 @@ def reference(folder: Path, options: dict, similarity: str = "cosine") -> list[l
         q, d = query_vectors.astype(np.float64), doc_vectors.astype(np.float64)
         scores = -np.linalg.norm(q[:, None, :] - d[None, :, :], axis=-1)
     texts = [text_of[i] for i in doc_ids]
-    first_doc = {}
+    first_doc, first_normalized = {}, {}  # a positive is the document of its text, else of its normalized text
     for j, t in enumerate(texts):
         first_doc.setdefault(t, j)
+        first_normalized.setdefault(normalized(t), j)
     queries: dict[tuple[str, str], dict] = {}
     for n, p in enumerate(pairs, 1):
         key = (trained_instruction(p.get("instruction")), p["query"])
         if key not in queries:
             queries[key] = {"row": query_ids.index(f"q:{n}"), "positives": [], "banned": {normalized(p["query"])}}
         q = queries[key]
-        q["positives"].append(first_doc[p["positive"]])
+        q["positives"].append(first_doc.get(p["positive"], first_normalized.get(normalized(p["positive"]))))
         q["banned"] |= {normalized(p["positive"])} | ({normalized(text_of[p["positive_id"]])}
                                                        if "positive_id" in p else set())
-    room = max(sum(normalized(t) in q["banned"] for t in texts) for q in queries.values())
+    room = max(len(q["banned"] & {normalized(t) for t in texts}) for q in queries.values())
     o = {"range_min": 0, "range_max": 50, "relative_margin": 0.05, "absolute_margin": None, "max_score": None,
          "min_score": None, "sampling": "top", "seed": 42, "num_negatives": 3} | options
     negatives = {}
     for (instruction, text), q in queries.items():
         s = scores[q["row"]]
         positive = min(s[j] for j in q["positives"])
-        pool = sorted(range(len(texts)), key=lambda j: (-s[j], j))[:o["range_max"] + room]
+        pool, distinct = [], set()  # the best documents up to the (range_max + room)-th distinct text
+        for j in sorted(range(len(texts)), key=lambda j: (-s[j], j)):
+            if len(distinct) == o["range_max"] + room:
+                break
+            pool.append(j)
+            distinct.add(normalized(texts[j]))
         seen, kept = set(), []
         for j in pool:
             t = normalized(texts[j])
@@ -213,6 +219,58 @@ def test_positives_by_id_and_by_text_and_the_query_s_own_text_are_never_negative
     assert "copy-of-positive" not in by_query[first] and "c1r2" not in by_query[first]
     assert "copy-of-query" not in by_query[read_jsonl(pairs)[4]["query"]]
     assert docs_id_90(corpus) not in by_query["Which problem is about a library's book recommendations?"]
+
+
+def test_copies_of_a_document_take_no_room_from_the_window(stores, tmp_path, encoder):
+    """The search counts distinct texts, as sentence-transformers searches a de-duplicated corpus: five copies of a
+    query's best negative, appended to the corpus, leave every record's negatives as they were (before, each copy
+    took a place among the range_max + M candidates, and records lost negatives). Texts are compared: a copy,
+    encoded in another batch, may score a rounding above the original and stand in for it."""
+    corpus, pairs, out = copy_of(stores, tmp_path)
+    common = {"encoder": encoder, "chunk_size": 32, "keep_fewer": True, "relative_margin": None, "range_max": 3}
+    mine_hard_negatives(str(pairs), str(tmp_path / "before"), str(corpus), **common)
+    before = read_jsonl(tmp_path / "before" / "negatives.jsonl")
+    docs = read_jsonl(corpus)
+    best = next(d for d in docs if d["_id"] == before[1]["negative_ids"][0])
+    copied = tmp_path / "copied.jsonl"
+    copied.write_text("".join(json.dumps(d) + "\n" for d in docs + [{**best, "_id": f"again{i}"} for i in range(5)]))
+    summary = mine_hard_negatives(str(pairs), str(tmp_path / "after"), str(copied), **common)
+    assert [r["negatives"] for r in read_jsonl(tmp_path / "after" / "negatives.jsonl")] == [
+        r["negatives"] for r in before]
+    assert all(len(r["negatives"]) == 3 for r in before) and summary.candidates_dropped["duplicate"] >= 5
+
+
+def test_a_positive_given_without_its_title_is_its_titled_corpus_document(tmp_path, encoder):
+    """A BEIR corpus with titles and pairs whose positive is the text field alone (or differs from it in case and
+    spacing): each positive is its corpus document, so that document never comes back as the query's negative, and
+    nothing is added to the documents. Before, the titled document was a candidate like any other."""
+    docs = [{**d, "title": f"Problem {i}"} for i, d in enumerate(read_jsonl(BEIR)[:30])]
+    pairs = [{"query": " ".join(d["text"].split()[:10]), "positive": d["text"]} for d in docs[:6]]
+    pairs[1]["positive"] = "  " + docs[1]["text"].upper()
+    corpus, pair_file = tmp_path / "corpus.jsonl", tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    pair_file.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    mine_hard_negatives(str(pair_file), str(tmp_path / "out"), str(corpus), encoder=encoder, chunk_size=32,
+                        keep_fewer=True, relative_margin=None, range_max=29, num_negatives=29)
+    records = read_jsonl(tmp_path / "out" / "negatives.jsonl")
+    assert len(records) == 6
+    for d, record in zip(docs, records, strict=False):
+        assert d["_id"] not in record["negative_ids"] and len(record["negative_ids"]) == 29  # all but itself
+    assert load_embeddings(str(tmp_path / "out" / "documents"))[0] == [d["_id"] for d in docs]
+
+
+def test_loading_options_beside_an_encoder_are_refused(tmp_path, encoder):
+    """An ``Encoder`` given to ``mine_hard_negatives`` is used as it is: a setting that would only reach a model
+    loaded from ``base_model_name_or_path`` is refused, not ignored."""
+    from diffusion_embedder.mining.options import MiningError
+
+    corpus, pairs = build_inputs(tmp_path)
+    for option in ({"pooling_mode": "weighted_mean"}, {"torch_dtype": "bfloat16"},
+                   {"peft_model_name_or_path": str(tmp_path)}, {"similarity_fn_name": "dot"}):
+        name = next(iter(option))
+        with pytest.raises(MiningError, match=f"encoder= is given, so {name} would not reach it"):
+            mine_hard_negatives(str(pairs), str(tmp_path / "out"), str(corpus), encoder=encoder, **option)
+    assert not (tmp_path / "out").exists()
 
 
 def docs_id_90(corpus: Path) -> str:

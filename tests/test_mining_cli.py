@@ -225,8 +225,9 @@ def test_every_flag_reaches_the_code_it_controls(tmp_path, monkeypatch, capsys):
     pytest.importorskip("faiss")
     assert mine_cli.main([*argv(pairs, corpus, tmp_path / "out2", *fields, *second)]) == 0
     (queries, documents_, k, similarity), kw = spies.calls["search"][0]
+    groups = kw.pop("groups")  # one per document, 30 distinct texts
     assert k == 6 + 1 and kw == {"method": "faiss", "query_block": 3, "document_block": 7, "device": "cpu",
-                                 "faiss_index": "Flat"}
+                                 "faiss_index": "Flat"} and list(groups) == list(range(30))
     options = spies.calls["select"][0][0][-1]
     assert (options.num_negatives, options.range_min, options.range_max, options.relative_margin,
             options.absolute_margin, options.max_score, options.min_score, options.sampling, options.seed) == (

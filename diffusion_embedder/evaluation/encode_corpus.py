@@ -98,6 +98,9 @@ class Corpus:
     ids: list[str]
     texts: list[str]
     instructions: list[str] | None = None
+    #: each document's text field alone, before its title was joined (what ``mine`` matches positives against too);
+    #: not part of what is encoded or its fingerprint
+    bodies: list[str] | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -155,7 +158,8 @@ def read_corpus_file(path: str, id_field: str = "_id", text_field: str = "text",
         fields.append(Field(title_field, required=False, nullable=True))
     rows = read_jsonl_rows(path, fields, id_field)
     return Corpus(os.path.abspath(path), [str(r[id_field]) for r in rows],
-                  [document_text(r.get(title_field) if title_field else None, r[text_field]) for r in rows])
+                  [document_text(r.get(title_field) if title_field else None, r[text_field]) for r in rows],
+                  bodies=[r[text_field] for r in rows])
 
 
 def read_task_corpus(name: str, split: str | None = None, subset: str | None = None,

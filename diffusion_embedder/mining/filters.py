@@ -3,7 +3,8 @@
 They have sentence-transformers' meanings (``util.mine_hard_negatives``, 6.2), in its order:
 
 1. the query's known positives and its own text are removed (by group: every copy of the text), and a text that
-   a better-ranked candidate already has (``duplicate``; sentence-transformers de-duplicates its corpus first);
+   a better-ranked candidate already has (``duplicate``; sentence-transformers de-duplicates its corpus first, and
+   the search counts distinct texts, so copies take no room from the window);
 2. the score filters (``SCORE_FILTERS``), each where it is set: ``absolute_margin`` drops a candidate scoring
    above ``positive - margin``, ``relative_margin`` one scoring above ``positive - |positive| * margin`` (at 0.05,
    NV-Retriever's rule: at most 95% of a positive score), ``max_score`` one above it, ``min_score`` one below it;
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from diffusion_embedder.mining.search import Candidates
+from diffusion_embedder.mining.search import Candidates, repeats
 
 
 def absolute_margin(scores: np.ndarray, positive: np.ndarray, margin: float) -> np.ndarray:
@@ -91,14 +92,7 @@ def excluded(candidates: np.ndarray, groups: np.ndarray, excluded_groups: list[n
 def duplicates(candidates: np.ndarray, groups: np.ndarray, alive: np.ndarray) -> np.ndarray:
     """(B, K): alive candidates whose group an earlier alive candidate of the row already has."""
     unique = -1 - np.arange(candidates.shape[1], dtype=np.int64)  # never equal to a group or to each other
-    keys = np.where(alive, groups[np.maximum(candidates, 0)], unique)
-    order = np.argsort(keys, axis=1, kind="stable")
-    ordered = np.take_along_axis(keys, order, 1)
-    repeat = np.zeros_like(alive)
-    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
-    out = np.zeros_like(alive)
-    np.put_along_axis(out, order, repeat, 1)
-    return out
+    return repeats(np.where(alive, groups[np.maximum(candidates, 0)], unique))
 
 
 def select(block: Candidates, groups: np.ndarray, excluded_groups: list[np.ndarray], positive: np.ndarray,

@@ -11,6 +11,10 @@ A query never gets back one of its positives, by id or by text, nor its own text
 (``normalize_text``: Unicode NFKC, case folded, runs of whitespace as one space), because corpora repeat documents
 with small differences: every document whose normalized text is a positive's, the text of a positive's id, or the
 query's is excluded. Documents with one normalized text form a group; a query's exclusions are whole groups.
+
+A positive is the corpus document with its exact text, else the one whose text field alone (before its title was
+joined), normalized, is the positive's, since pairs usually give a positive without its title; only a positive that
+matches no document is added. A query's own text is matched the same way.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class MiningInputs:
     excluded_groups: list[np.ndarray]
     #: per query, the documents holding its positives' own texts (the positive scores)
     positive_documents: list[list[int]]
-    #: the most documents excluded for one query: room the search leaves above the window (ST's max_positives)
+    #: the most groups excluded for one query: room the search leaves above the window (ST's max_positives)
     max_excluded: int
     #: SHA-256 of what was read from the pairs (each record's line and fields)
     pairs_fingerprint: str
@@ -107,14 +111,25 @@ def _fingerprint(records: list[PairRecord]) -> str:
     return digest.hexdigest()
 
 
-def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str) -> tuple[Corpus, dict[str, int]]:
-    """The candidate documents and the index of each exact text (its first document)."""
+def _bodies(corpus: Corpus | None) -> dict[str, int]:
+    """Each corpus document's normalized text field (without its title) -> its first document."""
+    first: dict[str, int] = {}
+    for i, body in enumerate((corpus.bodies or corpus.texts) if corpus else []):
+        first.setdefault(normalize_text(body), i)
+    return first
+
+
+def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str,
+               bodies: dict[str, int]) -> tuple[Corpus, dict[str, int]]:
+    """The candidate documents and the document of each positive's text."""
     ids, texts = (list(corpus.ids), list(corpus.texts)) if corpus else ([], [])
     index_of: dict[str, int] = {}
     for i, text in enumerate(texts):
         index_of.setdefault(text, i)
     taken = set(ids)
     for r in records:
+        if r.positive not in index_of and normalize_text(r.positive) in bodies:
+            index_of[r.positive] = bodies[normalize_text(r.positive)]
         if r.positive not in index_of:
             doc_id = f"{ADDED_PREFIX}{r.line}"
             if doc_id in taken:
@@ -130,11 +145,11 @@ def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str) -> 
 
 def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> MiningInputs:
     """Group the records into queries, build the documents and each query's exclusions."""
-    documents, index_of = _documents(corpus, records, pairs)
+    bodies = _bodies(corpus)
+    documents, index_of = _documents(corpus, records, pairs, bodies)
     group_of: dict[str, int] = {}
     groups = np.asarray([group_of.setdefault(normalize_text(t), len(group_of)) for t in documents.texts],
                         dtype=np.int64)
-    sizes = np.bincount(groups, minlength=len(group_of))
     doc_of_id = {doc_id: i for i, doc_id in enumerate(documents.ids)}
     query_of: dict[tuple[str, str], int] = {}
     q_ids, q_instructions, q_texts = [], [], []
@@ -149,8 +164,11 @@ def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> Min
             q_ids.append(f"q:{r.line}")
             q_instructions.append(instruction)
             q_texts.append(r.query)
-            own = group_of.get(normalize_text(r.query))
-            excluded.append(set() if own is None else {own})
+            text = normalize_text(r.query)  # its own text: as a whole document, or a document's text field
+            own = {group_of[text]} if text in group_of else set()
+            if text in bodies:
+                own.add(int(groups[bodies[text]]))
+            excluded.append(own)
             positives.append([])
         q = query_of[key]
         doc = index_of[r.positive]
@@ -163,7 +181,7 @@ def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> Min
     excluded_groups = [np.asarray(sorted(e), dtype=np.int64) for e in excluded]
     queries = Corpus(f"the queries of {os.path.abspath(pairs)}", q_ids, q_texts, q_instructions)
     return MiningInputs(placed, queries, documents, groups, excluded_groups, positives,
-                        max(int(sizes[e].sum()) for e in excluded_groups), _fingerprint(records))
+                        max(len(e) for e in excluded_groups), _fingerprint(records))
 
 
 def read_inputs(args) -> MiningInputs:

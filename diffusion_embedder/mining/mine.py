@@ -85,7 +85,9 @@ def prepare(args, encoder=None) -> Prepared:
     folders = {name: os.path.join(args.output_dir, name) for name in STORES}
     for name in STORES:
         check_corpus_there(folders[name], corpus_manifest(_corpus(inputs, name), args.chunk_size))
-    if encoder is None:
+    if encoder is not None:
+        _check_unused(args)
+    else:
         encoder = load_checkpoint(args.base_model_name_or_path, args.peft_model_name_or_path, args.torch_dtype,
                                   load_device, **encoder_overrides(args))
     manifests = {name: store_manifest(encoder, _corpus(inputs, name), args.chunk_size, args.base_model_name_or_path,
@@ -101,6 +103,15 @@ def prepare(args, encoder=None) -> Prepared:
                 encoder, _corpus(inputs, name), folders[name], manifests[name], shard, num_shards, encode_device,
                 args.batch_size, args.max_tokens_per_batch, args.show_progress_bar)
     return prepared
+
+
+def _check_unused(args) -> None:
+    """With an ``Encoder`` given, the options that would load one must not be: they could not reach it."""
+    given = [name for name in ("peft_model_name_or_path", "torch_dtype") if getattr(args, name) is not None]
+    given += list(encoder_overrides(args))
+    if given:
+        raise MiningError(f"encoder= is given, so {', '.join(given)} would not reach it: load the encoder with "
+                          f"them (Encoder.from_pretrained(..., {given[-1]}=...)), or leave encoder out.")
 
 
 def _complete(prepared: Prepared) -> bool:
@@ -120,7 +131,7 @@ def _negatives(prepared: Prepared) -> tuple[list[tuple[np.ndarray, np.ndarray, n
     counts: Counter = Counter({reason: 0 for reason in REASONS})
     blocks = search(queries, documents, args.range_max + inputs.max_excluded, prepared.similarity,
                     method=args.search, query_block=args.query_block_size, document_block=args.document_block_size,
-                    device=prepared.device, faiss_index=args.faiss_index)
+                    device=prepared.device, faiss_index=args.faiss_index, groups=inputs.groups)
     if args.show_progress_bar:
         from tqdm.auto import tqdm
 
@@ -197,9 +208,9 @@ def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, 
             ``queries/``) go.
         corpus: A JSONL of candidate documents (a BEIR ``corpus.jsonl`` or any JSONL with ``id_field`` and
             ``text_field``); None mines from the pairs' own positives.
-        encoder: An ``Encoder`` already loaded; None loads ``base_model_name_or_path`` (with
-            ``peft_model_name_or_path``, ``torch_dtype`` and any encoder setting) as ``diffusion-embedder mine``
-            loads it.
+        encoder: An ``Encoder`` already loaded, used with its own settings (``peft_model_name_or_path``,
+            ``torch_dtype`` or an encoder setting given with it is refused); None loads ``base_model_name_or_path``
+            (with those options) as ``diffusion-embedder mine`` loads it.
         **options: Any other ``diffusion-embedder mine`` option by its name (``num_negatives=3``,
             ``relative_margin=0.05``, ``sampling="top"``, ...), with the command's defaults and checks.
 
@@ -208,7 +219,7 @@ def mine_hard_negatives(pairs: str, output_dir: str, corpus: str | None = None, 
         the dropped candidates by reason.
 
     Raises:
-        MiningError: An option outside its rules or an unknown option name.
+        MiningError: An option outside its rules, an unknown option name, or a loading option with ``encoder``.
         OptionError: A value that does not fit its option (type, choices, range).
         DataFormatError: A bad line in ``pairs`` or ``corpus``, named by file and line.
         OtherEmbeddings: ``output_dir`` holds the embeddings of another model, settings or inputs.

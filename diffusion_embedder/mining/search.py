@@ -10,6 +10,10 @@ score, then by corpus position: float32 products in different orders (blocks, FA
 last bits, and this makes the ranking, and so the negatives, the same for both searches and for any block size.
 Two candidates whose float64 scores are equal are a tie; the earlier document in the corpus ranks first.
 
+With ``groups`` (a group per document: mining's documents of one normalized text), ``k`` counts groups: each
+query gets its best documents up to its k-th distinct group, as sentence-transformers de-duplicates its corpus before
+searching, so copies of a document do not use up the candidates.
+
 The float32 search alone cannot promise that: where more than ``SLACK`` documents tie, or nearly tie, with a
 query's k-th candidate (a document repeated many times in the corpus), it keeps an arbitrary few of them. So each
 query's weakest float32 score is compared with its k-th float64 score, allowing twice the largest float32 rounding
@@ -118,34 +122,69 @@ def score_pairs(queries: np.ndarray, documents: EmbeddingStore, indices: np.ndar
     return scores
 
 
+def repeats(keys: np.ndarray) -> np.ndarray:
+    """(B, K): the entries whose key an earlier entry of the row already has."""
+    order = np.argsort(keys, axis=1, kind="stable")
+    ordered = np.take_along_axis(keys, order, 1)
+    repeat = np.zeros(keys.shape, dtype=bool)
+    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    out = np.zeros_like(repeat)
+    np.put_along_axis(out, order, repeat, 1)
+    return out
+
+
 def _ranked(queries: np.ndarray, documents: EmbeddingStore, k: int, wide: int, similarity: str,
-            nearest: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` best documents of each query and their float64 scores, ordered by score, then by corpus position:
-    ``nearest`` asked for ``wide`` candidates, and again with twice as many for the queries where a document it did
-    not return could still rank within the first ``k``."""
+            nearest: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]],
+            groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each query's best documents and their float64 scores, ordered by score, then by corpus position: the first
+    ``k`` (with ``groups``: up to the k-th distinct group; -1 and -inf pad the rows). ``nearest`` is asked for
+    ``wide`` candidates, and again with twice as many for the queries where a document it did not return could
+    still be among those, or whose candidates hold fewer than ``k`` groups."""
     found, rough = nearest(queries, wide)
+    valid = found >= 0
     scores = score_pairs(queries, documents, found, similarity)
-    position = np.where(found >= 0, found, np.iinfo(np.int64).max)
-    order = np.lexsort((position, -scores), axis=-1)[:, :k]
-    indices, best = np.take_along_axis(found, order, 1), np.take_along_axis(scores, order, 1)
+    rough = np.asarray(rough, dtype=np.float64)
+    rounding = np.abs(rough - scores)[valid].max(initial=0.0)  # the float32 search's, measured on this block
+    weakest = np.where(valid, rough, np.inf).min(1)
+    # a row with fewer candidates than asked holds all that an approximate index finds: asking again is no use
+    returned = valid.all(1)
+    order = np.lexsort((np.where(valid, found, np.iinfo(np.int64).max), -scores), axis=-1)
+    found, scores = np.take_along_axis(found, order, 1), np.take_along_axis(scores, order, 1)
+    valid = found >= 0
+    short = np.zeros(len(found), dtype=bool)
+    if groups is None:
+        need = np.minimum(k, valid.sum(1))
+    else:
+        unique = -1 - np.arange(found.shape[1], dtype=np.int64)
+        count = np.cumsum(valid & ~repeats(np.where(valid, groups[np.maximum(found, 0)], unique)), axis=1)
+        short = count[:, -1] < k
+        need = np.where(short, valid.sum(1), np.argmax(count >= k, axis=1) + 1)
+    width = max(int(need.max(initial=0)), 1)
+    keep = np.arange(width) < need[:, None]
+    indices = np.where(keep, found[:, :width], -1)
+    best = np.where(keep, scores[:, :width], -np.inf)
     if wide < documents.num_rows:
-        valid = found >= 0
-        rough = np.asarray(rough, dtype=np.float64)
-        rounding = np.abs(rough - scores)[valid].max(initial=0.0)
-        weakest = np.where(valid, rough, np.inf).min(1)
-        # a row with fewer candidates than asked holds all that an approximate index finds: asking again is no use
-        again = np.flatnonzero(valid.all(1) & (weakest + 2 * rounding >= best[:, -1]))
+        last = scores[np.arange(len(need)), np.maximum(need - 1, 0)]
+        again = np.flatnonzero(returned & (short | (weakest + 2 * rounding >= last)))
         if again.size:
             wider = min(2 * wide, documents.num_rows)
-            logger.info("%d queries: a document not among their %d candidates could still rank within the first "
-                        "%d (ties or near-ties); searched again with %d.", again.size, wide, k, wider)
-            indices[again], best[again] = _ranked(queries[again], documents, k, wider, similarity, nearest)
+            logger.info("%d queries: a document not among their %d candidates could still be among their first "
+                        "%d%s (ties or near-ties, or copies); searched again with %d.", again.size, wide, k,
+                        " distinct texts" if groups is not None else "", wider)
+            more, more_scores = _ranked(queries[again], documents, k, wider, similarity, nearest, groups)
+            width = max(width, more.shape[1])
+            indices, best = _pad(indices, width, -1), _pad(best, width, -np.inf)
+            indices[again], best[again] = _pad(more, width, -1), _pad(more_scores, width, -np.inf)
     return indices, best
+
+
+def _pad(rows: np.ndarray, width: int, fill) -> np.ndarray:
+    return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=fill)
 
 
 def search(queries: EmbeddingStore, documents: EmbeddingStore, k: int, similarity: str, *, method: str = "exact",
            query_block: int = 1024, document_block: int = 16384, device: str | None = None,
-           faiss_index: str = "Flat") -> Iterator[tuple[np.ndarray, Candidates]]:
+           faiss_index: str = "Flat", groups: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, Candidates]]:
     """The ``k`` best documents of every query, best first, one block of ``query_block`` queries at a time: the
     block's query vectors and its candidates.
 
@@ -158,6 +197,8 @@ def search(queries: EmbeddingStore, documents: EmbeddingStore, k: int, similarit
     :param document_block: documents scored at once (exact), or added to the index at once (FAISS).
     :param device: where the exact search runs (default: CPU).
     :param faiss_index: the FAISS index factory string.
+    :param groups: a group per document (documents of one text): ``k`` then counts distinct groups, each row
+        holding every document up to its k-th group (-1 pads the rows).
     """
     if queries.dim != documents.dim:
         raise ValueError(f"queries of dimension {queries.dim}, documents of dimension {documents.dim}")
@@ -173,5 +214,6 @@ def search(queries: EmbeddingStore, documents: EmbeddingStore, k: int, similarit
             return found.cpu().numpy(), rough.cpu().numpy()
 
     for start, rows in queries.blocks(query_block):
-        indices, scores = _ranked(rows, documents, k, min(k + SLACK, documents.num_rows), similarity, nearest)
+        indices, scores = _ranked(rows, documents, k, min(k + SLACK, documents.num_rows), similarity, nearest,
+                                  groups)
         yield rows, Candidates(start, indices, scores)
