@@ -35,6 +35,7 @@ batches in a thread while the device runs. Other tokenizers get their own ``__ca
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -69,6 +70,12 @@ class _Encoded(NamedTuple):
     offsets: list[tuple[int, int]]
 
 
+#: Held while a backend's state is set and used: truncation, padding and special-token splitting are state of the
+#: Rust tokenizer, shared by every thread that tokenizes with it (two ``encode`` calls in two threads on one
+#: encoder). Without it one call's truncation cut the other's texts.
+_BACKEND_STATE = threading.RLock()
+
+
 class TokenizerCalls:
     """Batch calls of one tokenizer: its Rust backend where the Hugging Face call adds nothing to it, else that call.
 
@@ -81,23 +88,28 @@ class TokenizerCalls:
         self.backend = None
         overridden = TokenizersBackend is None or type(tokenizer)._encode_plus is not TokenizersBackend._encode_plus
         if not overridden and isinstance(tokenizer, TokenizersBackend):
-            backend = tokenizer.backend_tokenizer
-            if backend.truncation is not None:
-                backend.no_truncation()
-            if backend.padding is not None:
-                backend.no_padding()
-            if backend.encode_special_tokens != tokenizer.split_special_tokens:
-                backend.encode_special_tokens = tokenizer.split_special_tokens
-            self.backend = backend
+            self.backend = tokenizer.backend_tokenizer
         self.specials = self._fixed_specials()
         self._tails: dict[str, int | None] = {}
+
+    def _whole_texts(self) -> None:
+        """The backend set to tokenize whole texts as the tokenizer would (under ``_BACKEND_STATE``)."""
+        backend = self.backend
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        if backend.encode_special_tokens != self.tokenizer.split_special_tokens:
+            backend.encode_special_tokens = self.tokenizer.split_special_tokens
 
     def encode(self, texts: Sequence[str], special: bool) -> list:
         """Objects with ``.ids`` and ``.offsets`` (offsets of the text's own characters), one per text."""
         if not texts:
             return []
         if self.backend is not None:
-            return self.backend.encode_batch(list(texts), add_special_tokens=special)
+            with _BACKEND_STATE:
+                self._whole_texts()
+                return self.backend.encode_batch(list(texts), add_special_tokens=special)
         out = self.tokenizer(list(texts), add_special_tokens=special, return_offsets_mapping=True, verbose=False)
         return [_Encoded(ids, offsets) for ids, offsets in zip(out["input_ids"], out["offset_mapping"], strict=True)]
 
@@ -109,12 +121,14 @@ class TokenizerCalls:
         """
         if self.backend is None or not texts:
             return [(ids[:keep], len(ids) > keep) for ids in self.ids(texts, False)]
-        self.backend.enable_truncation(keep)
-        try:
-            encoded = self.backend.encode_batch(list(texts), add_special_tokens=False)
-            return [(e.ids, bool(e.overflowing)) for e in encoded]
-        finally:
-            self.backend.no_truncation()
+        with _BACKEND_STATE:
+            self._whole_texts()
+            self.backend.enable_truncation(keep)
+            try:
+                encoded = self.backend.encode_batch(list(texts), add_special_tokens=False)
+                return [(e.ids, bool(e.overflowing)) for e in encoded]
+            finally:
+                self.backend.no_truncation()
 
     def ids(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         if self.backend is not None:
@@ -134,7 +148,7 @@ class TokenizerCalls:
             return None
         suffix = span[len(text) :]
         if suffix not in self._tails:
-            splits = not self.backend.encode_special_tokens and any(
+            splits = not self.tokenizer.split_special_tokens and any(
                 suffix.startswith(token.content) and token.special and not token.normalized and not token.lstrip
                 for token in self.backend.get_added_tokens_decoder().values()
             )

@@ -233,3 +233,36 @@ def test_the_tokenizer_state_the_hugging_face_call_sets_is_cleared():
     config = EncoderConfig().replace(max_length=64)
     rows = tokenize_items(tokenizer, config, [], parse_inputs(["a b c d e f g h"]))
     assert rows[0].input_ids == tokenizer("a b c d e f g h")["input_ids"]
+
+
+def test_two_threads_tokenizing_with_one_tokenizer_get_their_own_ids():
+    """The Rust backend's truncation is state shared by every thread: one thread cutting plain texts at
+    doc_max_length while another tokenizes whole instructed texts cut the other's rows (two ``encode`` calls on one
+    encoder, as a threaded server makes them). Each thread's rows equal those of a run alone."""
+    import threading
+
+    from diffusion_embedder.templates import parse_inputs
+    from diffusion_embedder.tokenization import tokenize_chunk
+
+    tokenizer = load_tokenizer(str(LLAMA_FIXTURE))
+    config = EncoderConfig(max_length=64, doc_max_length=64)
+    plain = parse_inputs(["alpha beta gamma delta " * 40 + str(i) for i in range(64)])
+    instructed = parse_inputs([["Represent the passage", f"word{i} " * (5 + i % 30)] for i in range(64)])
+    alone = tokenize_chunk(tokenizer, config, [], instructed)[0]
+    wrong: list[int] = []
+
+    def cut_plain():
+        for _ in range(60):
+            tokenize_chunk(tokenizer, config, [], plain)
+
+    def whole_instructed():
+        for _ in range(60):
+            rows = tokenize_chunk(tokenizer, config, [], instructed)[0]
+            wrong.append(sum(r != s for r, s in zip(rows, alone, strict=True)))
+
+    threads = [threading.Thread(target=cut_plain), threading.Thread(target=whole_instructed)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(wrong) == 60 and not any(wrong), f"{sum(map(bool, wrong))} of 60 rounds had rows cut"
