@@ -290,7 +290,7 @@ def _encode_local(encoder, items, config, plan, device, show_progress_bar) -> to
 def own_pool(encoder, devices: Sequence[str]):
     """The encoder's own workers on ``devices`` (``Encoder.start_pool``), started again if absent or stale."""
     workers = encoder._pool_workers
-    if workers is None or workers.closed or workers.devices != list(devices) or workers.config != encoder.config:
+    if workers is None or workers.closed or workers.devices != list(devices) or workers.stale(encoder):
         encoder.start_pool(devices)
     return encoder._pool_workers
 

@@ -10,6 +10,7 @@ outputs (``outputs.batch_rows``: token states too).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 from collections.abc import Iterable, Iterator, Sequence
@@ -39,6 +40,13 @@ def _worker(encoder, device: str, tasks, results) -> None:
             results.put((index, None, f"{type(error).__name__}: {error}"))
 
 
+def weights_state(encoder) -> tuple[tuple[int, int], ...]:
+    """Each parameter's and buffer's storage and in-place version: it changes when a tensor or the model is
+    replaced, or a tensor is edited in place (an optimizer step), which a worker's copy on another device misses.
+    An edit through ``tensor.data`` is not counted (it bypasses the version counter): stop the pool after one."""
+    return tuple((t.data_ptr(), t._version) for t in itertools.chain(encoder.parameters(), encoder.buffers()))
+
+
 class DevicePool:
     """Workers (spawned processes) holding a copy of the encoder on each device."""
 
@@ -56,18 +64,28 @@ class DevicePool:
         ]
         for process in self._processes:
             process.start()
+        #: The weights the workers' copies were made from, taken once they are sent (sending a CPU tensor moves it
+        #: to shared memory): a pool runs only for an encoder whose weights are still these (``stale``).
+        self.weights = weights_state(encoder)
         logger.info("Started %d encoding workers on %s", len(self._processes), ", ".join(self.devices))
 
-    def check_use(self, encoder) -> None:
-        """Refuse a stopped pool, or one whose workers hold other settings than ``encoder`` (they pool)."""
-        if self.closed:
-            raise ValueError("pool: this pool was stopped (stop_multi_process_pool); start a new one.")
+    def stale(self, encoder) -> str | None:
+        """Why the workers' copies are not ``encoder`` as it is now (its settings or its weights); None if they are."""
         if self.config != encoder.config:
             changed = sorted(k for k, v in self.config.to_dict().items() if encoder.config.to_dict()[k] != v)
-            raise ValueError(
-                f"pool: its workers hold the encoder as it was when the pool started; these settings changed since: "
-                f"{', '.join(changed)}. Stop it and start a new one."
-            )
+            return f"these settings changed since: {', '.join(changed)}"
+        if self.weights != weights_state(encoder):
+            return "its weights changed since (a tensor or the model replaced, or edited in place: a training step)"
+        return None
+
+    def check_use(self, encoder) -> None:
+        """Refuse a stopped pool, or one whose workers hold other settings or weights than ``encoder``'s."""
+        if self.closed:
+            raise ValueError("pool: this pool was stopped (stop_multi_process_pool); start a new one.")
+        stale = self.stale(encoder)
+        if stale:
+            raise ValueError(f"pool: its workers hold the encoder as it was when the pool started; {stale}. Stop it "
+                             f"and start a new one.")
 
     def run(
         self, batches: Iterable[dict[str, torch.Tensor]], per_row: bool = False

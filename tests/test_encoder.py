@@ -482,3 +482,40 @@ def test_persistent_worker_pool_matches_single_process():
         encoder.stop_pool()
     assert_close_normwise(first, expected, eps_multiple=ORDER_EPS, rows=True)
     assert_close_normwise(second, expected.flip(0), eps_multiple=ORDER_EPS, rows=True)
+
+
+def test_a_pool_never_encodes_with_weights_the_encoder_no_longer_has():
+    """The workers hold the encoder as it was when they started. Replaced weights (a tensor, or the whole model)
+    or weights edited in place (an optimizer step, which a copy on another device misses) restart the encoder's own
+    pool, and make a pool given as ``pool=`` refuse; before, the old vectors came back with no error."""
+    encoder = encoder_for(LLAMA_FIXTURE)
+    other = encoder_for(LLAMA_FIXTURE)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.mul_(1.5)
+    edits = {
+        "a replaced tensor": lambda: setattr(encoder.model.norm.weight, "data", encoder.model.norm.weight.data * 2),
+        "an in-place edit": lambda: torch.no_grad()(encoder.model.norm.weight.mul_)(0.5),  # as optimizers edit
+        "another model": lambda: setattr(encoder, "model", other.model),
+    }
+    try:
+        for name, edit in edits.items():
+            encoder.encode(TEXTS, batch_size=2, device=["cpu", "cpu"], show_progress_bar=False)
+            workers = encoder._pool_workers
+            encoder.encode(TEXTS, batch_size=2, device=["cpu", "cpu"], show_progress_bar=False)
+            assert encoder._pool_workers is workers, name  # unchanged weights: the same workers
+            edit()
+            pooled = encoder.encode(TEXTS, batch_size=2, device=["cpu", "cpu"], show_progress_bar=False)
+            assert encoder._pool_workers is not workers, name
+            local = encoder.encode(TEXTS, batch_size=2, show_progress_bar=False)
+            assert_close_normwise(pooled, local, eps_multiple=ORDER_EPS, rows=True, msg=name)
+        pool = encoder.start_multi_process_pool(["cpu"])
+        try:
+            with torch.no_grad():
+                encoder.model.norm.weight.mul_(2)
+            with pytest.raises(ValueError, match="pool: .* its weights changed since"):
+                encoder.encode(TEXTS, pool=pool, show_progress_bar=False)
+        finally:
+            encoder.stop_multi_process_pool(pool)
+    finally:
+        encoder.stop_pool()
