@@ -69,7 +69,8 @@ def sharing_problem(model: nn.Module) -> str | None:
         return "accelerate hooks (a device_map), which move weights in the forward"
     if getattr(model.config, "quantization_config", None) is not None:
         return "quantized weights"
-    updating = {getattr(m, "rope_type", None) for m in model.modules()} & SELF_UPDATING_ROPE
+    kinds = [getattr(m, "rope_type", None) for m in model.modules()]  # a dict per layer type (Gemma 3)
+    updating = {k for kind in kinds for k in (kind.values() if isinstance(kind, dict) else [kind])} & SELF_UPDATING_ROPE
     if updating:
         return f"{', '.join(sorted(updating))} rotary embeddings, which update themselves in the forward"
     return None
@@ -102,7 +103,8 @@ def run_concurrently(forward: Callable[[T], R], items: Iterable[T], count: int) 
     if count == 1:
         yield from map(forward, items)
         return
-    threads = max(1, torch.get_num_threads() // count)
+    before = torch.get_num_threads()
+    threads = max(1, before // count)
 
     def run(item: T) -> R:
         with torch.inference_mode():
@@ -120,3 +122,4 @@ def run_concurrently(forward: Callable[[T], R], items: Iterable[T], count: int) 
             yield pending.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(before)  # the threads' setting is also the default of threads started later

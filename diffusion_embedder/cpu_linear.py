@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -107,6 +108,12 @@ def _gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mlp.down_proj(_onednn_times(x, gate, mlp.up_proj.weight, mlp.up_proj.bias))
 
 
+#: Models switched now -> (blocks inside ``onednn_linear`` for it, layers switched, the modules switched): two
+#: ``encode`` calls in two threads share one switch, undone when the last leaves.
+_switched: dict[int, tuple[int, int, tuple[nn.Module, ...]]] = {}
+_SWITCHING = threading.Lock()
+
+
 @contextlib.contextmanager
 def onednn_linear(model: nn.Module, device: torch.device) -> Iterator[int]:
     """Within the block, the model's plain float32 ``nn.Linear`` layers run on oneDNN (inference only).
@@ -116,14 +123,27 @@ def onednn_linear(model: nn.Module, device: torch.device) -> Iterator[int]:
     if torch.is_grad_enabled():
         raise RuntimeError("onednn_linear is for inference: the oneDNN op has no gradient; use torch.no_grad()")
     switch = wanted(device) and not compiled_layers(model)  # a compiled layer is the compiler's to fuse
-    mlps = [m for m in model.modules() if _fusable_mlp(m)] if switch else []
-    layers = [m for m in model.modules() if _eligible(m)] if switch else []
-    for mlp in mlps:
-        mlp.forward = lambda x, mlp=mlp: _gated_mlp(mlp, x)
-    for layer in layers:
-        layer.forward = lambda x, layer=layer: _onednn(x, layer.weight, layer.bias)
+    with _SWITCHING:
+        count, layers, switched = _switched.get(id(model), (0, 0, ()))
+        if count == 0 and switch:
+            mlps = [m for m in model.modules() if _fusable_mlp(m)]
+            plain = [m for m in model.modules() if _eligible(m)]
+            for mlp in mlps:
+                mlp.forward = lambda x, mlp=mlp: _gated_mlp(mlp, x)
+            for layer in plain:
+                layer.forward = lambda x, layer=layer: _onednn(x, layer.weight, layer.bias)
+            layers, switched = len(plain), (*mlps, *plain)
+        if switched:
+            _switched[id(model)] = (count + 1, layers, switched)
     try:
-        yield len(layers)
+        yield layers
     finally:
-        for module in (*mlps, *layers):
-            del module.forward
+        with _SWITCHING:
+            if switched:
+                count = _switched[id(model)][0] - 1
+                if count:
+                    _switched[id(model)] = (count, layers, switched)
+                else:
+                    del _switched[id(model)]
+                    for module in switched:
+                        del module.forward

@@ -157,3 +157,30 @@ def test_a_model_whose_device_map_offloads_layers_runs_one_forward_at_a_time(tmp
     quantized = tiny_llama()
     quantized.config.quantization_config = {"quant_method": "bitsandbytes"}
     assert cpu_forwards.sharing_problem(quantized) == "quantized weights"
+
+
+def test_rotary_kinds_per_layer_type_are_read_and_the_thread_default_is_kept():
+    """Gemma 3 keeps a rope type per layer type (a dict): it was a TypeError, and could hide a ``dynamic`` layer.
+    The forward threads' thread count is torch's default for threads started later: it is put back after."""
+    from transformers import Gemma3TextConfig
+
+    gemma3 = AutoModel.from_config(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                    num_hidden_layers=2, num_attention_heads=2,
+                                                    num_key_value_heads=1, head_dim=16), attn_implementation="sdpa")
+    assert any(isinstance(getattr(m, "rope_type", None), dict) for m in gemma3.modules())
+    assert cpu_forwards.sharing_problem(gemma3) is None
+    rotary = next(m for m in gemma3.modules() if isinstance(getattr(m, "rope_type", None), dict))
+    rotary.rope_type = {**rotary.rope_type, "full_attention": "dynamic"}
+    assert "dynamic" in cpu_forwards.sharing_problem(gemma3)
+
+    def in_a_new_thread() -> int:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.ones(4).sum() and torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    with torch_threads(2):
+        before = in_a_new_thread()
+        assert list(cpu_forwards.run_concurrently(lambda x: x * 2, range(6), 2)) == [0, 2, 4, 6, 8, 10]
+        assert in_a_new_thread() == before == 2 and torch.get_num_threads() == 2

@@ -116,6 +116,21 @@ def test_leaves_replaced_forwards_and_other_dtypes_alone(calls):
     assert "forward" in hooked.__dict__ and "forward" not in plain.__dict__
 
 
+def test_two_blocks_at_once_on_one_model_share_the_switch(calls):
+    """Two ``encode`` calls in two threads on one encoder: the first to leave keeps the switch for the other, and
+    the last undoes it. Before, the first undid it under the other, which then failed leaving."""
+    layer = nn.Linear(8, 4)
+    first, second = onednn_linear(layer, torch.device("cpu")), onednn_linear(layer, torch.device("cpu"))
+    with torch.no_grad():
+        assert first.__enter__() == 1 and second.__enter__() == 1
+        first.__exit__(None, None, None)
+        layer(torch.randn(2, 8))
+        assert len(calls) == 1 and "forward" in layer.__dict__
+        second.__exit__(None, None, None)
+        layer(torch.randn(2, 8))
+    assert len(calls) == 1 and "forward" not in layer.__dict__ and not cpu_linear._switched
+
+
 def test_off_on_other_devices_and_when_the_self_check_fails(calls, monkeypatch):
     layer = nn.Linear(8, 4)
     with torch.no_grad(), onednn_linear(layer, torch.device("meta")) as switched:
