@@ -301,6 +301,10 @@ def test_a_rerun_with_the_same_inputs_reuses_and_a_changed_option_or_positive_mi
     path = run / "out" / "negatives.jsonl"
     path.write_text(path.read_text().replace("a", "b", 1))
     assert rerun(run).status == "mined"
+    # negatives mined under older rules (a manifest without the rules' number, as they were written): mined again
+    assert rerun(run).status == "reused"
+    monkeypatch.setattr(mine_mod.output, "RULES", mine_mod.output.RULES + 1)
+    assert rerun(run).status == "mined" and not encoded
 
 
 def test_stores_of_another_model_setting_corpus_or_queries_are_refused(mined, tmp_path, family_checkpoint,

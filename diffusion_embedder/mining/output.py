@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 FORMAT = "diffusion_embedder.negatives/1"
 NEGATIVES = "negatives.jsonl"
 MANIFEST = "manifest.json"
+#: The rules that turn candidates into negatives, numbered: a new number whenever the same stores, pairs and
+#: options would give other negatives, so negatives mined by older rules are mined again, never reused (2: the
+#: search counts distinct texts; a positive given without its title is its titled corpus document).
+RULES = 2
 #: Options beyond the filters' that change what is written.
 OUTPUT_OPTIONS = ("keep_fewer", "output_scores", "search", "faiss_index")
 
@@ -46,7 +50,7 @@ def manifest(args, stores: dict[str, dict], pairs_fingerprint: str, num_records:
     """The manifest before mining (counts and the file's hash come after): ``identity`` and what it covers."""
     documents = stores["documents"]
     covered = {"stores": {name: store_identity(m) for name, m in stores.items()}, "pairs": pairs_fingerprint,
-               "options": mining_options(args)}
+               "options": mining_options(args), "rules": RULES}
     return {
         "format": FORMAT,
         "version": __version__,
@@ -78,6 +82,8 @@ def reusable(folder: str, new: dict) -> dict | None:
                    for k, v in new["options"].items() if old.get("options", {}).get(k) != v]
         changed += [f"{name} embeddings" for name, v in new["stores"].items() if old.get("stores", {}).get(name) != v]
         changed += ["the pairs"] if old.get("pairs") != new["pairs"] else []
+        changed += [f"the mining rules ({old.get('rules', 1)} there, {new['rules']} now)"] if old.get(
+            "rules", 1) != new["rules"] else []
         logger.info("Mining again into %s: %s changed.", folder, "; ".join(changed) or "the manifest's format")
         return None
     negatives = os.path.join(folder, NEGATIVES)
