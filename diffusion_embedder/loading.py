@@ -185,6 +185,12 @@ def _check_backbone_kwargs(cls: type[nn.Module], plan: _LoadPlan, kwargs: dict, 
         )
 
 
+def _place(name: str) -> str:
+    """Where an adapter is, however its name is spelled: a local folder's real path (relative, through a link), or
+    the hub name as given. An adapter recorded as merged is never merged again under another spelling."""
+    return os.path.realpath(name) if os.path.isdir(name) else name
+
+
 def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict) -> _LoadPlan:
     """Where the weights, adapters and tokenizer of ``base`` are.
 
@@ -213,9 +219,9 @@ def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict)
     model_type = saved.get("model_type") or backbones.get_spec(
         backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
     ).model_type
-    merges = list(dict.fromkeys(saved.get("merged_adapters", [])))
+    merges = list({_place(m): m for m in reversed(saved.get("merged_adapters", []))}.values())[::-1]
     keep_own = bool(own_adapter) and is_encoder_folder and keep_own_adapter
-    if own_adapter and not keep_own and base not in merges:
+    if own_adapter and not keep_own and _place(base) not in {_place(m) for m in merges}:
         merges.append(base)
     return _LoadPlan(
         weights_from=weights_from,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import shutil
 
 import numpy as np
@@ -234,6 +235,13 @@ def test_adapter_inside_base_folder_is_merged_first(tmp_path):
     supervised.save(str(tmp_path / "supervised"))
     again = Encoder.from_pretrained(str(tmp_path / "mntp"), peft_model_name_or_path=str(tmp_path / "supervised"))
     assert_close_normwise(again.encode(TEXTS, show_progress_bar=False), expected, eps_multiple=MERGE_EPS, rows=True)
+    # the MNTP folder spelled otherwise (relative, through a link) is the adapter already merged: not merged twice
+    (tmp_path / "link").symlink_to(tmp_path)
+    for spelling in (os.path.relpath(tmp_path / "mntp"), str(tmp_path / "link" / "mntp")):
+        other = Encoder.from_pretrained(spelling, peft_model_name_or_path=str(tmp_path / "supervised"))
+        assert other.config.merged_adapters == (str(tmp_path / "mntp"),), spelling
+        assert_close_normwise(other.encode(TEXTS, show_progress_bar=False), expected, eps_multiple=MERGE_EPS,
+                              rows=True, msg=spelling)
     # The checkpoint alone restores base + MNTP merge + its adapter.
     alone = Encoder.from_pretrained(str(tmp_path / "supervised"))
     assert_close_normwise(alone.encode(TEXTS, show_progress_bar=False), expected, eps_multiple=MERGE_EPS, rows=True)

@@ -211,8 +211,10 @@ def _save_adapter(folder: Path, seed: int) -> dict:
     return {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" in n}
 
 
-def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path):
-    mntp = tmp_path / "toy-mntp"
+@pytest.mark.parametrize("folder", ["toy-mntp", "my_simcse_study/toy-mntp"])
+def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path, folder):
+    """Also where a folder above the adapter has "simcse" in its name: the rule reads the adapter's own name."""
+    mntp = tmp_path / folder
     _save_adapter(mntp, seed=1)
     cfg = make_config(tmp_path, peft_model_name_or_path=str(mntp))
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)

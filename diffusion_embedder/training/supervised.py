@@ -98,7 +98,8 @@ def prepare_encoder(
     decoder layers checkpointed that the config asks for (``tokens`` per graph: what "auto" plans for).
     """
     peft_path = located(model_args.peft_model_name_or_path)
-    continuing = peft_path is not None and "simcse" in peft_path.lower()
+    # the adapter's own name (the last part of its folder or hub name), never the folders it sits in
+    continuing = peft_path is not None and "simcse" in model_short_name(peft_path).lower()
     encoder = Encoder.from_pretrained(
         located(model_args.model_name_or_path),
         peft_model_name_or_path=peft_path,
