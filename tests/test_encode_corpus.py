@@ -230,6 +230,12 @@ def test_the_same_checkpoint_copied_elsewhere_resumes_the_run(reference, tmp_pat
     with pytest.raises(ValueError, match=r"another model.*model.weights_sha256"):
         ec.encode_corpus(ec.parse_args(other))
     assert sorted(p.name for p in out.iterdir()) == before
+    # the same weights with an edited config.json (what the model computes with): another model too
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps({**config, "rope_theta": 10.0}))
+    with pytest.raises(ValueError, match=r"another model.*model.backbone_sha256"):
+        ec.encode_corpus(ec.parse_args(resumed))
+    assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_the_same_adapter_copied_elsewhere_resumes_the_run_and_another_adapter_is_refused(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -235,6 +236,27 @@ def test_revision_is_a_hash_of_weights_and_settings_ablations_go_to_experiment_k
     assert a.experiment_name is None
     causal = meta(LLAMA_FIXTURE, overrides={"enable_bidirectional": False, "pooling_mode": "eos_token"})
     assert causal.experiment_name == "enable_bidirectional_False__pooling_mode_eos_token"
+
+
+def test_an_edited_backbone_config_or_tokenizer_is_another_revision_and_a_copy_is_not(tmp_path):
+    """The weights and encoder settings alone missed what else a checkpoint computes with: a context stretched by
+    ``rope_theta`` in config.json, or an edited tokenizer, kept the revision, so the old scores (and cached document
+    vectors) were reused. A copy at another path is still the same revision."""
+    def revision(path):
+        return MTEBEncoder(Encoder.from_pretrained(str(path), torch_dtype=torch.float32, device="cpu")).identity[
+            "revision"]
+
+    copy = shutil.copytree(LLAMA_FIXTURE, tmp_path / "copy")
+    assert revision(copy) == revision(LLAMA_FIXTURE)
+    stretched = shutil.copytree(LLAMA_FIXTURE, tmp_path / "stretched")
+    config = json.loads((stretched / "config.json").read_text())
+    (stretched / "config.json").write_text(json.dumps({**config, "rope_theta": 10.0}))
+    retokenized = shutil.copytree(LLAMA_FIXTURE, tmp_path / "retokenized")
+    tokenizer = json.loads((retokenized / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}
+    (retokenized / "tokenizer.json").write_text(json.dumps(tokenizer))
+    revisions = {revision(LLAMA_FIXTURE), revision(stretched), revision(retokenized)}
+    assert len(revisions) == 3
 
 
 def test_results_folder_of_another_checkpoint_is_refused(tmp_path):

@@ -42,7 +42,7 @@ from diffusion_embedder.evaluation.options import (
     process_share,
     with_encoder_settings,
 )
-from diffusion_embedder.evaluation.results import computed_settings, weights_hash
+from diffusion_embedder.evaluation.results import backbone_hash, computed_settings, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_CHARS, encode_chunk, load_checkpoint, plan_chunks
 from diffusion_embedder.evaluation.store import (
     FORMAT,
@@ -229,7 +229,7 @@ def store_manifest(encoder, corpus: Corpus, chunk_size: int, base_model_name_or_
         "version": __version__,
         "model": {"base_model_name_or_path": base_model_name_or_path,
                   "peft_model_name_or_path": peft_model_name_or_path,
-                  "weights_sha256": weights_hash(encoder)},
+                  "weights_sha256": weights_hash(encoder), "backbone_sha256": backbone_hash(encoder)},
         "settings": computed_settings(encoder.config.to_dict()),
         "torch_dtype": str(next(encoder.parameters()).dtype).removeprefix("torch."),
         "embedding_dim": encoder.embedding_dim,

@@ -21,7 +21,7 @@ from mteb.models.model_meta import ScoringFunction
 from mteb.types import PromptType
 
 from diffusion_embedder.evaluation.cache import EmbeddingCache
-from diffusion_embedder.evaluation.results import checkpoint_name, model_revision, weights_hash
+from diffusion_embedder.evaluation.results import backbone_hash, checkpoint_name, model_revision, weights_hash
 from diffusion_embedder.evaluation.sharding import CHUNK_SIZE, ShardedEncoder, load_checkpoint
 from diffusion_embedder.evaluation.tasks import (
     DEFAULT_MAX_LENGTH_CAP,
@@ -151,16 +151,18 @@ class MTEBEncoder(AbsEncoder):
         settings = encoder_settings(encoder)
         overrides = dict(overrides or {})
         self.weights = weights_hash(encoder) if hasattr(encoder, "state_dict") else None
+        self.backbone = backbone_hash(encoder) if self.weights is not None else None
         if revision is None:
             if self.weights is None:
                 raise ValueError("An encoder without state_dict() needs an explicit revision.")
-            revision = model_revision(self.weights, settings, overrides)
+            revision = model_revision(self.weights, settings, overrides, self.backbone)
         source = {k: v for k, v in (source or {}).items() if v}
         base = settings.get("base_model_name_or_path")
         if name is None:
             where = source.get("peft_model_name_or_path") or source.get("base_model_name_or_path")
             name = checkpoint_name(where or base or type(encoder).__name__)
-        self.identity = {"name": name, "revision": revision, "weights": self.weights, "settings": settings}
+        self.identity = {"name": name, "revision": revision, "weights": self.weights, "backbone": self.backbone,
+                         "settings": settings}
         experiment = {**overrides, **(extra_experiment_kwargs or {})}
         experiment = {k: v for k, v in experiment.items() if v is not None}
         self.mteb_model_meta = ModelMeta(**self._meta_fields(encoder, name, revision, settings, source),
@@ -258,7 +260,7 @@ class MTEBEncoder(AbsEncoder):
             return self.chunks.encode_documents(
                 [text for _, text in pairs],
                 self.cache,
-                identity=f"{self.identity['name']}@{self.identity['revision']}|{self.weights}",
+                identity=f"{self.identity['name']}@{self.identity['revision']}|{self.weights}|{self.backbone}",
                 settings=settings,
                 **kwargs,
             )

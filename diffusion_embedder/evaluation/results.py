@@ -83,6 +83,27 @@ def weights_hash(module) -> str:
     return digest.hexdigest()
 
 
+#: Backbone config keys that say where, with which library and with which head a checkpoint was saved, not what
+#: its backbone computes (the backbone loads without the head: a merged encoder folder says ``LlamaModel`` where
+#: its base said ``LlamaForCausalLM``).
+BACKBONE_PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash", "architectures")
+
+
+def backbone_hash(encoder) -> str:
+    """SHA-256 of what the model computes with besides its tensors and encoder settings: the backbone's config
+    (``rope_theta``, windows, norms' epsilon, ...) and the tokenizer (vocabulary, merges, normalizer, special
+    tokens). A checkpoint edited there is another model; a copy of it at another path is the same."""
+    config = {k: v for k, v in encoder.model.config.to_dict().items() if k not in BACKBONE_PROVENANCE}
+    tokenizer = encoder.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(backend.to_str().encode() if backend is not None else
+                  json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update(json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.padding_side],
+                             sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
 def checkpoint_name(path: str) -> str:
     """``diffusion_embedder/<run>-checkpoint-<N>`` for a training checkpoint, else ``diffusion_embedder/<folder>``.
 
@@ -104,10 +125,11 @@ def computed_settings(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in PROVENANCE_KEYS}
 
 
-def model_revision(weights: str, settings: dict, overrides: dict | None = None) -> str:
-    """Hash of the weights and of the settings the checkpoint brings (overridden ones are experiment kwargs)."""
+def model_revision(weights: str, settings: dict, overrides: dict | None = None, backbone: str | None = None) -> str:
+    """Hash of the weights, the backbone's config and tokenizer (``backbone_hash``) and the settings the
+    checkpoint brings (overridden ones are experiment kwargs)."""
     stable = {k: v for k, v in computed_settings(settings).items() if k not in (overrides or {})}
-    blob = json.dumps({"weights": weights, "settings": stable}, sort_keys=True, default=str)
+    blob = json.dumps({"weights": weights, "backbone": backbone, "settings": stable}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -117,17 +139,19 @@ def check_identity(results_dir: Path, identity: dict) -> None:
     legacy = results_dir / LEGACY_IDENTITY_FILE
     if legacy.exists() and not path.exists():  # older runs wrote a .json that mteb's ResultCache reads as a result
         legacy.rename(path)
-    record = {"weights": identity["weights"], "settings": computed_settings(identity["settings"])}
+    record = {"weights": identity["weights"], "backbone": identity.get("backbone"),
+              "settings": computed_settings(identity["settings"])}
     if path.exists():
         try:
             stored = read_json_object(path, RuntimeError)
         except RuntimeError as e:
             raise RuntimeError(f"{e} Delete it to re-record this folder.") from None
-        if stored != json.loads(json.dumps(record, default=str)):
-            raise RuntimeError(
-                f"{results_dir} holds results of another checkpoint (weights {str(stored.get('weights'))[:12]}..., "
-                f"this one {str(identity['weights'])[:12]}...); choose another --output_dir or --revision."
-            )
+        record = json.loads(json.dumps(record, default=str))
+        if stored != record:
+            differ = ", ".join(f"{k} {str(stored.get(k))[:12]}... there, {str(v)[:12]}... now"
+                               for k, v in record.items() if stored.get(k) != v)
+            raise RuntimeError(f"{results_dir} holds results of another checkpoint ({differ}); choose another "
+                               f"--output_dir or --revision.")
         return
     results_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, sort_keys=True, default=str) + "\n")

@@ -33,8 +33,9 @@ MANIFEST = "manifest.json"
 FORMAT = "diffusion_embedder.embeddings/1"
 #: What a folder's vectors depend on: a rerun that differs in any of these is refused. The rest of the
 #: manifest (paths, version, shard count) says where they came from.
-IDENTITY_KEYS = ("format", "model.weights_sha256", "settings", "torch_dtype", "embedding_dim", "corpus.fingerprint",
-                 "corpus.num_rows", "chunks.chunk_size", "chunks.chunk_chars", "chunks.num_chunks")
+IDENTITY_KEYS = ("format", "model.weights_sha256", "model.backbone_sha256", "settings", "torch_dtype",
+                 "embedding_dim", "corpus.fingerprint", "corpus.num_rows", "chunks.chunk_size", "chunks.chunk_chars",
+                 "chunks.num_chunks")
 
 
 class OtherEmbeddings(ValueError):
