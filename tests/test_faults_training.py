@@ -235,6 +235,9 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, monkeypatch):
         ("simcse_dropout", 1.5, "simcse_dropout: must be < 1, got 1.5"),  # transformers raised mid-training
         ("simcse_dropout", -0.1, "simcse_dropout: must be >= 0"),
         ("eval_strategy", "steps", "eval_strategy: 'steps' is not supported (there is no evaluation during training"),
+        # accepted, then never read: now refused
+        ("label_smoothing_factor", 0.1, "label_smoothing_factor: 0.1 is not supported (transformers smooths its own"),
+        ("neftune_noise_alpha", 5, "neftune_noise_alpha: 5 is not supported (NEFTune's noise is hooked"),
     ],
 )
 def test_out_of_range_setting_is_refused_with_the_config(key, value, expected):

@@ -119,3 +119,20 @@ def test_bench_lm_head_dry_run():
     assert [row.split(" | ")[0] for row in rows] == ["| MNTP, full logits", "| MNTP, fused head",
                                                       "| MNTP, fused head, Liger"]  # fmt: skip
     assert rows[0].split(" | ")[1] == rows[1].split(" | ")[1] == "256"  # 4 blocks of 64 tokens each step
+
+
+def test_data_seed_orders_the_lm_stage_s_blocks(tmp_path, monkeypatch):
+    """transformers' ``data_seed`` seeds the data order, ``seed`` where it is unset; before, the LM stage read only
+    ``seed``."""
+    seeds = []
+
+    class Built(Exception):
+        pass
+
+    real = lm.load_text_blocks
+    monkeypatch.setattr(lm, "load_text_blocks", lambda *a, seed, **k: seeds.append(seed) or real(*a, seed=seed, **k))
+    monkeypatch.setattr(lm, "LMStageTrainer", lambda **kwargs: (_ for _ in ()).throw(Built()))
+    for folder, extra in (("plain", {}), ("data_seed", {"data_seed": 5})):
+        with pytest.raises(Built):
+            lm.train(lm_values(output_dir=str(tmp_path / folder), report_to="none", seed=3, **extra))
+    assert seeds == [3, 5]

@@ -92,6 +92,10 @@ FIELDS: dict[str, tuple[list[str], Callable[[EncoderTrainer], bool]]] = {
         ["--seed", "7"],
         lambda t: list(t._get_train_sampler()) != list(built_default()._get_train_sampler()),
     ),
+    "data_seed": (  # transformers' meaning: the data order's seed; the seed alone set it before
+        ["--data_seed", "7"],
+        lambda t: list(t._get_train_sampler()) != list(built_default()._get_train_sampler()),
+    ),
     "grad_cache_chunk_size": (["--grad_cache_chunk_size", "3"], lambda t: forwards_per_step(t) == 2 * 3 * 2),
     "max_train_samples": (["--max_train_samples", "8"], lambda t: len(t.train_dataset) == 8),
     "lora_r": (["--lora_r", "2"], lambda t: lora_ranks(t) == {2}),
@@ -273,3 +277,24 @@ def test_resume_inside_epoch_two_with_device_groups_grad_cache_and_accumulation(
     assert a.keys() == b.keys()
     for name, value in b.items():
         torch.testing.assert_close(a[name], value, atol=1e-6, rtol=0, msg=name)
+
+
+def test_each_process_draws_its_own_random_numbers(tmp_path):
+    """transformers seeds every process with ``seed``: MNTP/MDM masks, diffusion times and dropout were the same
+    draws on every rank. From the start of training rank r draws from ``seed + r``; rank 0 (and a one-process run)
+    keeps ``seed``'s own stream."""
+    from types import SimpleNamespace
+
+    from diffusion_embedder.training.trainer import RankStreams
+
+    def draws_after_start(process_index: int) -> torch.Tensor:
+        torch.manual_seed(3)  # what transformers does on every rank
+        RankStreams().on_train_begin(SimpleNamespace(seed=3, process_index=process_index), None, None)
+        return torch.rand(4)
+
+    torch.manual_seed(3)
+    seed_stream = torch.rand(4)
+    assert torch.equal(draws_after_start(0), seed_stream)
+    assert not torch.equal(draws_after_start(1), draws_after_start(0))
+    assert not torch.equal(draws_after_start(2), draws_after_start(1))
+    assert any(isinstance(c, RankStreams) for c in built(tmp_path).callback_handler.callbacks)

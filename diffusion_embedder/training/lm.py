@@ -60,7 +60,7 @@ from diffusion_embedder.training.runner import (
     run_cli,
 )
 from diffusion_embedder.training.schema import StageSchema
-from diffusion_embedder.training.trainer import RunTrainer
+from diffusion_embedder.training.trainer import RunTrainer, data_seed
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def train(values: dict[str, Any], source: str = "config") -> str:
         objective = OBJECTIVES[args.objective]
         model = build_model(args, objective, t)
         dataset = load_text_blocks(
-            model.tokenizer, texts, args.max_seq_length, seed=t.seed, max_blocks=args.max_train_samples
+            model.tokenizer, texts, args.max_seq_length, seed=data_seed(t), max_blocks=args.max_train_samples
         )
         return LMStageTrainer(
             model=model,

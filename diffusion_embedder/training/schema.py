@@ -76,7 +76,14 @@ RANGES: dict[str, tuple[tuple[float, bool] | None, tuple[float, bool] | None]] =
 }
 _NO_EVAL = "there is no evaluation during training yet; evaluate checkpoints with `diffusion-embedder eval`"
 #: Settings we accept in the config but cannot honour yet: the only value allowed, and why.
-UNSUPPORTED = {"eval_strategy": ("no", _NO_EVAL), "do_eval": (False, _NO_EVAL)}
+UNSUPPORTED = {
+    "eval_strategy": ("no", _NO_EVAL),
+    "do_eval": (False, _NO_EVAL),
+    "label_smoothing_factor": (0.0, "transformers smooths its own cross-entropy; our losses are computed by us and "
+                                    "never read it"),
+    "neftune_noise_alpha": (None, "NEFTune's noise is hooked into a generative model's input embeddings, not into "
+                                  "our encoder's"),
+}
 
 #: Values that need what a machine may lack: ``(field, value) -> (transformers.utils check, what it needs, the fix)``.
 #: Such a value stops the run here, with the config; it never falls back to another kernel.

@@ -53,6 +53,11 @@ from diffusion_embedder.training.grad_cache import Features, grad_cache_step
 logger = logging.getLogger(__name__)
 
 
+def data_seed(args) -> int:
+    """The seed of the training data's order: ``data_seed`` where set (transformers' meaning), else ``seed``."""
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or inf; training stopped before the optimizer step."""
 
@@ -76,6 +81,16 @@ class StopAfterNStepsCallback(TrainerCallback):
         return control
 
 
+class RankStreams(TrainerCallback):
+    """Each process draws its own random numbers (masks, diffusion times, dropout). transformers seeds every process
+    with ``seed``, so rank r drew exactly what rank 0 drew, on other data. Rank 0 keeps ``seed``'s stream (a
+    one-process run is unchanged); a resumed run then restores each rank's saved state, as before."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index:
+            torch.manual_seed(args.seed + args.process_index)
+
+
 class EncoderTensorBoardCallback(TensorBoardCallback):
     """TensorBoard logging that records the encoder's settings (``EncoderConfig`` is not a HF config)."""
 
@@ -96,6 +111,7 @@ class RunTrainer(Trainer):
         self._pending: tuple[str, int] | None = None  # saved, not yet called good
         if self.callback_handler.pop_callback(TensorBoardCallback) is not None:
             self.add_callback(EncoderTensorBoardCallback())
+        self.add_callback(RankStreams())
         if self.args.fsdp_plugin_args:  # asked for: checked once the model is wrapped, whatever wrapped it
             self.add_callback(ShardingCheck(self))
 
@@ -302,7 +318,7 @@ class EncoderTrainer(RunTrainer):
             world_size=self.args.world_size,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             group_by=self.group_by,
-            seed=self.args.seed,
+            seed=data_seed(self.args),
         )
 
     def contrastive_loss(self, reps: list[torch.Tensor], num_negatives: int) -> torch.Tensor:
