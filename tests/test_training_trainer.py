@@ -259,3 +259,20 @@ def test_tiny_configs_train_end_to_end(tmp_path, monkeypatch, name):
     assert '"global_step": 3' in state
     encoder = Encoder.from_pretrained(str(run_dir), device="cpu")
     assert torch.isfinite(encoder.encode(["a text"], show_progress_bar=False)).all()
+
+
+def test_msmarco_with_fewer_negatives_than_its_instruction_negatives_is_a_config_error(tmp_path, monkeypatch):
+    """MSMARCO's samples always hold its 3 instruction negatives: num_negatives 0-2 was a ValueError traceback from
+    inside the reader; now a config error naming the field and the fewest it takes, before anything is read."""
+    from diffusion_embedder.training.arguments import load_config
+    from diffusion_embedder.training.schema import ConfigError
+    from diffusion_embedder.training.supervised import build_dataset
+
+    monkeypatch.chdir(ROOT)
+    config = ROOT / "train_configs" / "tiny" / "msmarco_repllama.json"
+    for negatives in (0, 2):
+        cfg = load_config(config, ["--output_dir", str(tmp_path), "--num_negatives", str(negatives)])
+        with pytest.raises(ConfigError, match=f"num_negatives={negatives}: MSMARCO's samples always hold 3 hard"):
+            build_dataset(cfg)
+    dataset, negatives = build_dataset(load_config(config, ["--output_dir", str(tmp_path), "--num_negatives", "3"]))
+    assert negatives == 3 and all(len(sample.negatives) == 3 for sample in dataset.samples)

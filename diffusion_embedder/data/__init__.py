@@ -20,7 +20,7 @@ from .collator import ContrastiveCollator
 from .custom import Custom
 from .e5 import E5, E5_DATASETS, E5_INSTRUCTIONS
 from .jsonl import DataFormatError
-from .msmarco import MSMARCO, MSMARCO_HUB_NAME, MSMARCO_INSTRUCTION
+from .msmarco import MSMARCO, MSMARCO_HUB_NAME, MSMARCO_INSTRUCTION, MSMARCO_INSTRUCTION_NEGATIVES
 from .reasonaug import ReasonAug
 from .sample import ContrastiveDataset, Pair, TrainSample, train_instruction
 from .text import TextBlocks, load_text_blocks, read_texts
@@ -37,6 +37,8 @@ class ReaderSpec:
     #: hard negatives per sample it yields by default (0: in-batch negatives only)
     negatives: int
     options: tuple[str, ...] = ()
+    #: the fewest hard negatives its samples can hold (MSMARCO's always include its instruction negatives)
+    min_negatives: int = 0
     #: the ``DataArguments`` field holding its path (ReasonAug's upstream name is ``aug_file_path``)
     path_field: str = "dataset_file_path"
 
@@ -54,7 +56,8 @@ _REASONAUG = ReaderSpec(
 #: reader is one entry here.
 DATASET_READERS: dict[str, ReaderSpec] = {
     "E5": ReaderSpec(E5, "cache/echo-data", 1),
-    "MSMARCO": ReaderSpec(MSMARCO, MSMARCO_HUB_NAME, 15, ("num_negatives", "seed")),
+    "MSMARCO": ReaderSpec(MSMARCO, MSMARCO_HUB_NAME, 15, ("num_negatives", "seed"),
+                          min_negatives=MSMARCO_INSTRUCTION_NEGATIVES),
     "ReasonAug": _REASONAUG,
     "E5Mix": _REASONAUG,
     "Custom": ReaderSpec(Custom, None, 1, ("num_negatives",)),

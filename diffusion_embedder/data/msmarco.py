@@ -107,6 +107,10 @@ def _located_rows(rows, path: str, split: str) -> Iterator[tuple[str, int, dict]
         raise DataFormatError(found or f"{path} ({split}) row {index + 1}: not valid UTF-8 text ({e.reason})") from e
 
 
+#: Negatives per sample that are its query under another instruction (instruction-following negatives).
+MSMARCO_INSTRUCTION_NEGATIVES = 3
+
+
 class MSMARCO(ContrastiveDataset):
     """Instruction-following training data: 1 positive + ``num_negatives`` negatives per query.
 
@@ -121,7 +125,7 @@ class MSMARCO(ContrastiveDataset):
         split: str = "train",
         max_rows: int | None = 16000,
         num_negatives: int = 15,
-        num_instruction_negatives: int = 3,
+        num_instruction_negatives: int = MSMARCO_INSTRUCTION_NEGATIVES,
         seed: int = 42,
         skip_bad_lines: bool = False,
     ):

@@ -71,6 +71,9 @@ def build_dataset(cfg: TrainConfig) -> tuple[ContrastiveDataset, int]:
     negatives = d.num_negatives if d.num_negatives is not None else spec.negatives
     if spec.fixed_negatives and negatives > spec.negatives:
         raise ConfigError(f"num_negatives={negatives}: {name} has {spec.negatives} hard negative(s) per query.")
+    if negatives < spec.min_negatives:
+        raise ConfigError(f"num_negatives={negatives}: {name}'s samples always hold {spec.min_negatives} hard "
+                          f"negatives (its instruction negatives); use num_negatives >= {spec.min_negatives}.")
     available = {**vars(d), "num_negatives": negatives, "seed": cfg.training.seed}
     options = {key: available[key] for key in spec.options}
     path = getattr(d, spec.path_field) or d.dataset_file_path
