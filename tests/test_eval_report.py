@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from diffusion_embedder.evaluation import report, results  # noqa: E402
-from diffusion_embedder.evaluation.tasks import LONGEMBED  # noqa: E402
+from diffusion_embedder.evaluation.tasks import BRIGHT, LONGEMBED  # noqa: E402
 
 DREAM = "diffusion_embedder/dream-reasonaug-checkpoint-1000@1a2b3c4d"
 DREAM_CAUSAL = DREAM + " (enable_bidirectional=False)"
@@ -23,7 +23,7 @@ QWEN = "diffusion_embedder/Qwen2.5-7B-Instruct@9f8e7d6c"
 
 @pytest.fixture
 def table() -> report.ResultTable:
-    """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one BRIGHT task."""
+    """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one of BRIGHT's 12 tasks."""
     t = report.ResultTable(models=[DREAM, DREAM_CAUSAL, QWEN])
     for m in t.models:
         t.scores[m], t.details[m] = {}, {}
@@ -94,6 +94,24 @@ def test_a_missing_score_is_marked_not_drawn_as_zero(table, figures):
                    if t.get_text() in ("missing", "incomplete"))
     assert marks == [(4, "missing"), (6, "incomplete")]
     assert "| longembed | LEMBNeedleRetrieval | nDCG@1 | 41.00 | 42.00 |  |" in report.to_markdown(table)
+
+
+def test_a_benchmark_average_needs_every_task_of_the_benchmark(table, figures):
+    """The average is the mean over the benchmark's own tasks, not over the tasks someone was scored on: one BRIGHT
+    domain of 12 gives no BRIGHT average (table, chart, overview), a model lacking Needle no LongEmbed average."""
+    assert [table.average(m, "longembed") for m in table.models] == [42.5, 43.5, None]  # (40+...+45)/6, (41+...+46)/6
+    bright = {task: values for bench, task, values in table.rows() if bench == "bright"}
+    assert bright == {"BrightAopsRetrieval": [10.0, 11.0, 12.0], "Average": [None, None, None]}
+    assert "| bright | **Average** |  |  |  |  |" in report.to_markdown(table)
+    overview = figures["overview.png"].axes[0]
+    assert [bar.get_height() for container in overview.containers for bar in container] == [42.5, 43.5]
+    marks = sorted((round(t.get_position()[0]), t.get_text()) for t in overview.texts if t.get_text() == "incomplete")
+    assert marks == [(0, "incomplete"), (1, "incomplete"), (1, "incomplete"), (1, "incomplete")]
+    for i, task in enumerate(BRIGHT):  # every domain: the average is back, the mean of the 12
+        table.benchmarks[task], table.metrics[task] = "bright", "ndcg_at_10"
+        table.scores[DREAM][task] = 10.0 + i
+    assert table.average(DREAM, "bright") == 15.5  # (10 + 21) / 2
+    assert table.average(DREAM_CAUSAL, "bright") is None
 
 
 def test_value_labels_stand_upright_above_their_own_bars(figures):

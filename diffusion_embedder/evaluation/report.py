@@ -60,8 +60,9 @@ class ResultTable:
         return short_labels(self.models)
 
     def average(self, model: str, benchmark: str) -> float | None:
-        """Mean over the benchmark's tasks; None unless the model has every one of them."""
-        tasks = self.tasks_of(benchmark)
+        """Mean over the benchmark's tasks (all of ``BENCHMARKS``, not only those in the results: an average over
+        the tasks someone happened to score would pass for the benchmark's); None unless the model has every one."""
+        tasks = BENCHMARKS.get(benchmark) or self.tasks_of(benchmark)
         values = [self.scores[model].get(t) for t in tasks]
         if not tasks or any(v is None for v in values):
             return None
