@@ -176,6 +176,48 @@ def test_followir_columns_are_the_mean_over_the_task_s_splits(tmp_path):
     assert f"| followir | **Average** |  | {hand_average:.2f} |" in markdown
 
 
+# ------------------------------------------------------------------ a result missing some of its task's splits
+#: LEMBPasskeyRetrieval's main score per length split (all of mteb's eval_splits for it), exact in binary.
+PASSKEY_SPLITS = dict(zip([f"test_{n}" for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)],
+                          (1.0, 1.0, 0.75, 0.5, 0.5, 0.25, 0.0, 0.0), strict=True))
+
+
+def write_passkey_result(folder, name: str, splits: dict[str, float]):
+    """A model folder with a LEMBPasskeyRetrieval result holding ``splits`` (mteb's format); returns the file."""
+    import mteb
+
+    folder.mkdir(parents=True)
+    (folder / "model_meta.json").write_text(json.dumps({"name": name, "revision": "r"}))
+    scores = {split: [{"hf_subset": "default", "languages": ["eng-Latn"], "main_score": v, "ndcg_at_1": v}]
+              for split, v in splits.items()}
+    file = folder / "LEMBPasskeyRetrieval.json"
+    file.write_text(json.dumps({"dataset_revision": "r", "task_name": "LEMBPasskeyRetrieval",
+                                "mteb_version": mteb.__version__, "scores": scores, "evaluation_time": 1.0,
+                                "kg_co2_emissions": None}))
+    return file
+
+
+def test_a_result_missing_some_of_the_task_s_splits_is_missing_not_averaged(tmp_path, capsys, caplog):
+    """mteb saves a result after each split: a passkey run that ran out of memory at 8192 tokens leaves the five
+    shorter splits. Their mean (75.00) is no passkey score: the cell is empty, as a missing score's, and the log
+    and ``--check`` name the file and the splits it lacks. All eight splits give their mean."""
+    write_passkey_result(tmp_path / "full" / "results" / "full" / "r", "diffusion_embedder/full", PASSKEY_SPLITS)
+    short = dict(list(PASSKEY_SPLITS.items())[:5])
+    partial = write_passkey_result(tmp_path / "partial" / "results" / "p" / "r", "diffusion_embedder/partial", short)
+    with caplog.at_level("WARNING", logger=report.logger.name):
+        markdown, table = report.write_report([str(tmp_path / "full"), str(tmp_path / "partial")])
+    assert table.scores == {"diffusion_embedder/full@r": {"LEMBPasskeyRetrieval": 50.0},  # 100 * 4.0 / 8
+                            "diffusion_embedder/partial@r": {}}
+    assert "| longembed | LEMBPasskeyRetrieval | nDCG@1 | 50.00 |  |" in markdown
+    lacking = "test_8192, test_16384, test_32768"
+    assert str(partial) in caplog.text and lacking in caplog.text
+    assert report.main([str(tmp_path / "full"), "--check"]) == 0
+    assert "Every result file reads" in capsys.readouterr().out
+    assert report.main([str(tmp_path / "partial"), "--check"]) == 1
+    printed = capsys.readouterr().out
+    assert str(partial) in printed and lacking in printed and "1 unreadable or incomplete" in printed
+
+
 # ------------------------------------------------------------------ what makes two result files one column and row
 RUN = "diffusion_embedder/run-checkpoint-1000"
 HAND_TASK = "HandRetrieval"

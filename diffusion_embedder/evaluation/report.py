@@ -182,17 +182,43 @@ def result_files(folder: Path) -> list[Path]:
     return [file for file in sorted(folder.glob("*.json")) if file.name not in SKIP_FILES]
 
 
+def incomplete(file: Path, result) -> str | None:
+    """What a result lacks of its task's evaluation splits (mteb's task metadata), naming the file; None if whole.
+
+    mteb saves a result after each split, so a run that failed at a long one (out of memory at LongEmbed's 8192
+    tokens) leaves the shorter ones, whose mean is no score of the task. A local task has one split: its result
+    is whole once written.
+    """
+    import mteb
+
+    try:
+        task = mteb.get_task(result.task_name)
+    except KeyError:  # not an mteb task: a local one
+        return None
+    missing = result.get_missing_evaluations(task)
+    if not missing:
+        return None
+    return (f"{file}: incomplete, {result.task_name} has no score for split(s) {', '.join(missing)} (its evaluation "
+            "stopped before them); rerun its evaluation to score them.")
+
+
 def check_results(paths: list[str]) -> list[str]:
-    """One line per file under ``paths`` that mteb's ``ResultCache`` could not read (truncated, not a result),
-    naming it and the fix; empty when every file reads."""
+    """One line per file under ``paths`` that mteb's ``ResultCache`` could not read (truncated, not a result) or
+    that lacks some of its task's splits (``incomplete``), naming it and the fix; empty when every file is fine."""
     problems = []
     for path in paths:
         for folder in model_folders(path):
-            for file in [folder / "model_meta.json", *result_files(folder)]:
+            try:
+                _model_label(folder)
+            except ValueError as e:
+                problems.append(str(e))
+            for file in result_files(folder):
                 try:
-                    _model_label(folder) if file.name == "model_meta.json" else _read_result(file)
+                    problem = incomplete(file, _read_result(file))
                 except ValueError as e:
-                    problems.append(str(e))
+                    problem = str(e)
+                if problem:
+                    problems.append(problem)
     return problems
 
 
@@ -260,13 +286,17 @@ def load_results(paths: list[str]) -> ResultTable:
                     f"{', '.join(differences)}; report one of them."
                 )
             sources[(label, result.task_name)] = stored
+            table.benchmarks[result.task_name] = benchmark_of(result.task_name)
+            table.metrics.setdefault(result.task_name, _main_metric(result))
+            problem = incomplete(file, result)
+            if problem:  # its cell stays empty, as a missing score's: the mean of some splits is no task score
+                logger.warning("%s: %s", label, problem)
+                continue
             table.scores[label][result.task_name] = 100 * float(result.get_score())
             metric = OG_METRIC.get(result.task_name, OG_DEFAULT)
             og = [s["og"][metric] for split in result.scores.values() for s in split if "og" in s]
             if og:
                 table.details[label][(result.task_name, f"og {metric}")] = 100 * sum(og) / len(og)
-            table.benchmarks[result.task_name] = benchmark_of(result.task_name)
-            table.metrics.setdefault(result.task_name, _main_metric(result))
     return table
 
 
@@ -408,15 +438,16 @@ def build_parser():
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
     parser.add_argument(
         "--check", action="store_true",
-        help="only name every result file mteb's ResultCache could not read (exit 1 if any); write nothing",
+        help="only name every result file mteb's ResultCache could not read, or that lacks some of its task's "
+             "splits (exit 1 if any); write nothing",
     )
     return parser
 
 
-#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads); 1 with
-#: ``--check``, some result file is unreadable (each named); 2 nothing could be reported, the message alone: a
-#: results folder that is missing or holds nothing readable, two results that cannot be merged, an ``--out_dir``
-#: that is a file. Anything else is a bug, with its traceback.
+#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads and is
+#: complete); 1 with ``--check``, some result file is unreadable or incomplete (each named); 2 nothing could be
+#: reported, the message alone: a results folder that is missing or holds nothing readable, two results that cannot
+#: be merged, an ``--out_dir`` that is a file. Anything else is a bug, with its traceback.
 EXIT_STATUS: dict[type[Exception], int] = {ValueError: 2, FileNotFoundError: 2}  # our readers' errors
 
 
@@ -436,7 +467,8 @@ def _run(args) -> int:
         problems = check_results(args.results_dirs)
         for problem in problems:
             print(problem)
-        print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
+        print(f"{len(problems)} unreadable or incomplete file(s)." if problems else
+              "Every result file reads and holds all of its task's splits.")
         return 1 if problems else 0
     problem = folder_problem(args.out_dir, "--out_dir")
     if problem:  # before any result is read
