@@ -224,9 +224,11 @@ HAND_TASK = "HandRetrieval"
 
 
 def write_result(folder, *, revision: str = "checkpoint-1000", data: str = "data-1", score: float = 0.375,
-                 experiment: dict | None = None, weights: str | None = "w1", instruction: str | None = "Find it:"):
+                 experiment: dict | None = None, weights: str | None = "w1", instruction: str | None = "Find it:",
+                 metric: str | None = "ndcg_at_10"):
     """One model folder as ``run.py`` leaves it, written by hand: ``model_meta.json``, one task result (mteb's
-    format), and the ledger beside it (``identity.jsonl``, ``query_instructions.jsonl``) where given."""
+    format), and the ledger beside it (``identity.jsonl``; ``query_instructions.jsonl``, with the main score's
+    metric) where given."""
     import mteb
 
     folder.mkdir(parents=True)
@@ -239,8 +241,8 @@ def write_result(folder, *, revision: str = "checkpoint-1000", data: str = "data
     if weights is not None:
         (folder / results.IDENTITY_FILE).write_text(json.dumps({"weights": weights, "settings": {"pooling": "mean"}}))
     if instruction is not None:
-        (folder / results.INSTRUCTIONS_FILE).write_text(
-            json.dumps({"task": HAND_TASK, "query_instruction": instruction}) + "\n")
+        record = {"task": HAND_TASK, "query_instruction": instruction, **({"main_score": metric} if metric else {})}
+        (folder / results.INSTRUCTIONS_FILE).write_text(json.dumps(record) + "\n")
     return folder
 
 
@@ -296,3 +298,11 @@ def test_other_revisions_or_experiments_with_equal_scores_are_two_columns(tmp_pa
     assert f"| local | {HAND_TASK} | nDCG@10 | 37.50 | 37.50 |\n" in out
     assert out.count(f"`{RUN}@") == 2
     assert out.startswith(f"| benchmark | task | metric | {headers} |\n")
+
+
+def test_a_local_result_whose_metric_is_not_recorded_is_labelled_main_score(tmp_path, capsys):
+    """An older version recorded no metric beside a local task's result: its main score equals its nDCG@10 here,
+    yet the label says only "main score", never a metric guessed from equal values."""
+    write_result(tmp_path / "a" / "results" / "run" / "checkpoint-1000", metric=None)
+    code, out, _ = report_of(tmp_path, capsys, tmp_path / "a")
+    assert code == 0 and f"| local | {HAND_TASK} | main score | 37.50 |\n" in out

@@ -21,6 +21,7 @@ from diffusion_embedder.evaluation.results import (
     LEGACY_IDENTITY_FILE,
     recorded_identity,
     stored_instructions,
+    stored_main_scores,
 )
 from diffusion_embedder.evaluation.tasks import BENCHMARKS, benchmark_of
 from diffusion_embedder.files import read_json_object
@@ -32,8 +33,6 @@ SKIP_FILES = {"model_meta.json", LEGACY_IDENTITY_FILE}  # not task results
 #: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
 OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
 OG_DEFAULT = "map_at_1000"
-#: Main scores tried, in this order, when a local task's metric must be read off its scores.
-COMMON_MAIN_SCORES = ("ndcg_at_10", "p-MRR", "ndcg_at_1", "ndcg_at_5", "map_at_1000", "recall_at_1", "mrr_at_10")
 SHORT_LABEL_CHARS = 32
 
 
@@ -133,20 +132,17 @@ def metric_name(metric: str) -> str:
     return f"{pretty.get(head, head)}@{k}" if sep else metric
 
 
-def _main_metric(result) -> str:
-    """The metric behind a result's main score: mteb's task metadata, else (local tasks) the score it equals."""
+def _main_metric(stored: StoredResult) -> str:
+    """The metric a result's main score is, as its task declares it: recorded beside the result (a local task's
+    task.json), else mteb's task metadata. Never read off the scores: metrics often tie (nDCG@1 and Precision@1)."""
     import mteb
 
+    if stored.main_score is not None:
+        return stored.main_score
     try:
-        return mteb.get_task(result.task_name).metadata.main_score
-    except Exception:  # noqa: BLE001 - not an mteb task: read it off the scores
-        pass
-    first = next(iter(result.scores.values()))[0]
-    matches = [k for k, v in first.items() if k != "main_score" and v == first.get("main_score")]
-    for metric in COMMON_MAIN_SCORES:
-        if metric in matches:
-            return metric
-    return matches[0] if matches else "main score"
+        return mteb.get_task(stored.result.task_name).metadata.main_score
+    except KeyError:  # a local task scored by a version that did not record its metric
+        return "main score"
 
 
 def _model_label(folder: Path) -> str:
@@ -225,17 +221,20 @@ def check_results(paths: list[str]) -> list[str]:
 @dataclass(frozen=True)
 class StoredResult:
     """A task result with what identifies it beyond its column: its file, the weights and settings and the query
-    instruction recorded beside it (None where not recorded)."""
+    instruction recorded beside it, and its main score's metric recorded there (None where not recorded)."""
 
     file: Path
     result: object
     identity: dict | None
     instruction: str | None
+    main_score: str | None
 
     @classmethod
     def read(cls, folder: Path, file: Path) -> StoredResult:
         result = _read_result(file)
-        return cls(file, result, recorded_identity(folder), stored_instructions(folder).get(result.task_name))
+        task = result.task_name
+        return cls(file, result, recorded_identity(folder), stored_instructions(folder).get(task),
+                   stored_main_scores(folder).get(task))
 
     def differences(self, other: StoredResult) -> list[str]:
         """What tells two results for one column and task apart; none: the same result (a copied folder), whatever
@@ -287,7 +286,7 @@ def load_results(paths: list[str]) -> ResultTable:
                 )
             sources[(label, result.task_name)] = stored
             table.benchmarks[result.task_name] = benchmark_of(result.task_name)
-            table.metrics.setdefault(result.task_name, _main_metric(result))
+            table.metrics.setdefault(result.task_name, _main_metric(stored))
             problem = incomplete(file, result)
             if problem:  # its cell stays empty, as a missing score's: the mean of some splits is no task score
                 logger.warning("%s: %s", label, problem)
