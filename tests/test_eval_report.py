@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from diffusion_embedder.evaluation import report, results  # noqa: E402
-from diffusion_embedder.evaluation.tasks import LONGEMBED  # noqa: E402
+from diffusion_embedder.evaluation.tasks import BRIGHT, LONGEMBED  # noqa: E402
 
 DREAM = "diffusion_embedder/dream-reasonaug-checkpoint-1000@1a2b3c4d"
 DREAM_CAUSAL = DREAM + " (enable_bidirectional=False)"
@@ -23,7 +23,7 @@ QWEN = "diffusion_embedder/Qwen2.5-7B-Instruct@9f8e7d6c"
 
 @pytest.fixture
 def table() -> report.ResultTable:
-    """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one BRIGHT task."""
+    """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one of BRIGHT's 12 tasks."""
     t = report.ResultTable(models=[DREAM, DREAM_CAUSAL, QWEN])
     for m in t.models:
         t.scores[m], t.details[m] = {}, {}
@@ -96,6 +96,24 @@ def test_a_missing_score_is_marked_not_drawn_as_zero(table, figures):
     assert "| longembed | LEMBNeedleRetrieval | nDCG@1 | 41.00 | 42.00 |  |" in report.to_markdown(table)
 
 
+def test_a_benchmark_average_needs_every_task_of_the_benchmark(table, figures):
+    """The average is the mean over the benchmark's own tasks, not over the tasks someone was scored on: one BRIGHT
+    domain of 12 gives no BRIGHT average (table, chart, overview), a model lacking Needle no LongEmbed average."""
+    assert [table.average(m, "longembed") for m in table.models] == [42.5, 43.5, None]  # (40+...+45)/6, (41+...+46)/6
+    bright = {task: values for bench, task, values in table.rows() if bench == "bright"}
+    assert bright == {"BrightAopsRetrieval": [10.0, 11.0, 12.0], "Average": [None, None, None]}
+    assert "| bright | **Average** |  |  |  |  |" in report.to_markdown(table)
+    overview = figures["overview.png"].axes[0]
+    assert [bar.get_height() for container in overview.containers for bar in container] == [42.5, 43.5]
+    marks = sorted((round(t.get_position()[0]), t.get_text()) for t in overview.texts if t.get_text() == "incomplete")
+    assert marks == [(0, "incomplete"), (1, "incomplete"), (1, "incomplete"), (1, "incomplete")]
+    for i, task in enumerate(BRIGHT):  # every domain: the average is back, the mean of the 12
+        table.benchmarks[task], table.metrics[task] = "bright", "ndcg_at_10"
+        table.scores[DREAM][task] = 10.0 + i
+    assert table.average(DREAM, "bright") == 15.5  # (10 + 21) / 2
+    assert table.average(DREAM_CAUSAL, "bright") is None
+
+
 def test_value_labels_stand_upright_above_their_own_bars(figures):
     for fig in figures.values():
         ax = fig.axes[0]
@@ -158,15 +176,59 @@ def test_followir_columns_are_the_mean_over_the_task_s_splits(tmp_path):
     assert f"| followir | **Average** |  | {hand_average:.2f} |" in markdown
 
 
+# ------------------------------------------------------------------ a result missing some of its task's splits
+#: LEMBPasskeyRetrieval's main score per length split (all of mteb's eval_splits for it), exact in binary.
+PASSKEY_SPLITS = dict(zip([f"test_{n}" for n in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)],
+                          (1.0, 1.0, 0.75, 0.5, 0.5, 0.25, 0.0, 0.0), strict=True))
+
+
+def write_passkey_result(folder, name: str, splits: dict[str, float]):
+    """A model folder with a LEMBPasskeyRetrieval result holding ``splits`` (mteb's format); returns the file."""
+    import mteb
+
+    folder.mkdir(parents=True)
+    (folder / "model_meta.json").write_text(json.dumps({"name": name, "revision": "r"}))
+    scores = {split: [{"hf_subset": "default", "languages": ["eng-Latn"], "main_score": v, "ndcg_at_1": v}]
+              for split, v in splits.items()}
+    file = folder / "LEMBPasskeyRetrieval.json"
+    file.write_text(json.dumps({"dataset_revision": "r", "task_name": "LEMBPasskeyRetrieval",
+                                "mteb_version": mteb.__version__, "scores": scores, "evaluation_time": 1.0,
+                                "kg_co2_emissions": None}))
+    return file
+
+
+def test_a_result_missing_some_of_the_task_s_splits_is_missing_not_averaged(tmp_path, capsys, caplog):
+    """mteb saves a result after each split: a passkey run that ran out of memory at 8192 tokens leaves the five
+    shorter splits. Their mean (75.00) is no passkey score: the cell is empty, as a missing score's, and the log
+    and ``--check`` name the file and the splits it lacks. All eight splits give their mean."""
+    write_passkey_result(tmp_path / "full" / "results" / "full" / "r", "diffusion_embedder/full", PASSKEY_SPLITS)
+    short = dict(list(PASSKEY_SPLITS.items())[:5])
+    partial = write_passkey_result(tmp_path / "partial" / "results" / "p" / "r", "diffusion_embedder/partial", short)
+    with caplog.at_level("WARNING", logger=report.logger.name):
+        markdown, table = report.write_report([str(tmp_path / "full"), str(tmp_path / "partial")])
+    assert table.scores == {"diffusion_embedder/full@r": {"LEMBPasskeyRetrieval": 50.0},  # 100 * 4.0 / 8
+                            "diffusion_embedder/partial@r": {}}
+    assert "| longembed | LEMBPasskeyRetrieval | nDCG@1 | 50.00 |  |" in markdown
+    lacking = "test_8192, test_16384, test_32768"
+    assert str(partial) in caplog.text and lacking in caplog.text
+    assert report.main([str(tmp_path / "full"), "--check"]) == 0
+    assert "Every result file reads" in capsys.readouterr().out
+    assert report.main([str(tmp_path / "partial"), "--check"]) == 1
+    printed = capsys.readouterr().out
+    assert str(partial) in printed and lacking in printed and "1 unreadable or incomplete" in printed
+
+
 # ------------------------------------------------------------------ what makes two result files one column and row
 RUN = "diffusion_embedder/run-checkpoint-1000"
 HAND_TASK = "HandRetrieval"
 
 
 def write_result(folder, *, revision: str = "checkpoint-1000", data: str = "data-1", score: float = 0.375,
-                 experiment: dict | None = None, weights: str | None = "w1", instruction: str | None = "Find it:"):
+                 experiment: dict | None = None, weights: str | None = "w1", instruction: str | None = "Find it:",
+                 metric: str | None = "ndcg_at_10"):
     """One model folder as ``run.py`` leaves it, written by hand: ``model_meta.json``, one task result (mteb's
-    format), and the ledger beside it (``identity.jsonl``, ``query_instructions.jsonl``) where given."""
+    format), and the ledger beside it (``identity.jsonl``; ``query_instructions.jsonl``, with the main score's
+    metric) where given."""
     import mteb
 
     folder.mkdir(parents=True)
@@ -179,8 +241,8 @@ def write_result(folder, *, revision: str = "checkpoint-1000", data: str = "data
     if weights is not None:
         (folder / results.IDENTITY_FILE).write_text(json.dumps({"weights": weights, "settings": {"pooling": "mean"}}))
     if instruction is not None:
-        (folder / results.INSTRUCTIONS_FILE).write_text(
-            json.dumps({"task": HAND_TASK, "query_instruction": instruction}) + "\n")
+        record = {"task": HAND_TASK, "query_instruction": instruction, **({"main_score": metric} if metric else {})}
+        (folder / results.INSTRUCTIONS_FILE).write_text(json.dumps(record) + "\n")
     return folder
 
 
@@ -236,3 +298,11 @@ def test_other_revisions_or_experiments_with_equal_scores_are_two_columns(tmp_pa
     assert f"| local | {HAND_TASK} | nDCG@10 | 37.50 | 37.50 |\n" in out
     assert out.count(f"`{RUN}@") == 2
     assert out.startswith(f"| benchmark | task | metric | {headers} |\n")
+
+
+def test_a_local_result_whose_metric_is_not_recorded_is_labelled_main_score(tmp_path, capsys):
+    """An older version recorded no metric beside a local task's result: its main score equals its nDCG@10 here,
+    yet the label says only "main score", never a metric guessed from equal values."""
+    write_result(tmp_path / "a" / "results" / "run" / "checkpoint-1000", metric=None)
+    code, out, _ = report_of(tmp_path, capsys, tmp_path / "a")
+    assert code == 0 and f"| local | {HAND_TASK} | main score | 37.50 |\n" in out

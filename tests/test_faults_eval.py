@@ -221,6 +221,17 @@ def test_report_refuses_two_different_results_for_one_checkpoint_and_task(tmp_pa
     assert table.scores[table.models[0]][TASK] == pytest.approx(100 * before, abs=1e-3)
 
 
+@pytest.mark.parametrize("main_score, label", [("precision_at_1", "Precision@1"), ("recall_at_1", "Recall@1")])
+def test_the_report_labels_a_local_task_with_the_metric_its_task_json_names(tmp_path, main_score, label):
+    """With one relevant document per query, found first for q1 and q2 and second for q3, precision@1, recall@1
+    and nDCG@1 are all 2/3: the row carries the metric task.json names, not one whose value matches."""
+    folder, out = write_task(tmp_path / "task"), tmp_path / "out"
+    (folder / "task.json").write_text(json.dumps({"name": TASK, "instruction": INSTRUCTION, "main_score": main_score}))
+    assert evaluate(folder, out).score == pytest.approx(2 / 3, abs=1e-5)
+    markdown, _ = report.write_report([str(out)])
+    assert f"| local | {TASK} | {label} | 66.67 |" in markdown
+
+
 # ------------------------------------------------------------------ damaged files
 def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
     folder, out = write_task(tmp_path / "task"), tmp_path / "out"

@@ -21,6 +21,7 @@ from diffusion_embedder.evaluation.results import (
     LEGACY_IDENTITY_FILE,
     recorded_identity,
     stored_instructions,
+    stored_main_scores,
 )
 from diffusion_embedder.evaluation.tasks import BENCHMARKS, benchmark_of
 from diffusion_embedder.files import read_json_object
@@ -32,8 +33,6 @@ SKIP_FILES = {"model_meta.json", LEGACY_IDENTITY_FILE}  # not task results
 #: The FollowIR paper's retrieval metric on the original instructions, shown under p-MRR (not averaged).
 OG_METRIC = {"News21InstructionRetrieval": "ndcg_at_5"}
 OG_DEFAULT = "map_at_1000"
-#: Main scores tried, in this order, when a local task's metric must be read off its scores.
-COMMON_MAIN_SCORES = ("ndcg_at_10", "p-MRR", "ndcg_at_1", "ndcg_at_5", "map_at_1000", "recall_at_1", "mrr_at_10")
 SHORT_LABEL_CHARS = 32
 
 
@@ -60,8 +59,9 @@ class ResultTable:
         return short_labels(self.models)
 
     def average(self, model: str, benchmark: str) -> float | None:
-        """Mean over the benchmark's tasks; None unless the model has every one of them."""
-        tasks = self.tasks_of(benchmark)
+        """Mean over the benchmark's tasks (all of ``BENCHMARKS``, not only those in the results: an average over
+        the tasks someone happened to score would pass for the benchmark's); None unless the model has every one."""
+        tasks = BENCHMARKS.get(benchmark) or self.tasks_of(benchmark)
         values = [self.scores[model].get(t) for t in tasks]
         if not tasks or any(v is None for v in values):
             return None
@@ -132,20 +132,17 @@ def metric_name(metric: str) -> str:
     return f"{pretty.get(head, head)}@{k}" if sep else metric
 
 
-def _main_metric(result) -> str:
-    """The metric behind a result's main score: mteb's task metadata, else (local tasks) the score it equals."""
+def _main_metric(stored: StoredResult) -> str:
+    """The metric a result's main score is, as its task declares it: recorded beside the result (a local task's
+    task.json), else mteb's task metadata. Never read off the scores: metrics often tie (nDCG@1 and Precision@1)."""
     import mteb
 
+    if stored.main_score is not None:
+        return stored.main_score
     try:
-        return mteb.get_task(result.task_name).metadata.main_score
-    except Exception:  # noqa: BLE001 - not an mteb task: read it off the scores
-        pass
-    first = next(iter(result.scores.values()))[0]
-    matches = [k for k, v in first.items() if k != "main_score" and v == first.get("main_score")]
-    for metric in COMMON_MAIN_SCORES:
-        if metric in matches:
-            return metric
-    return matches[0] if matches else "main score"
+        return mteb.get_task(stored.result.task_name).metadata.main_score
+    except KeyError:  # a local task scored by a version that did not record its metric
+        return "main score"
 
 
 def _model_label(folder: Path) -> str:
@@ -181,34 +178,63 @@ def result_files(folder: Path) -> list[Path]:
     return [file for file in sorted(folder.glob("*.json")) if file.name not in SKIP_FILES]
 
 
+def incomplete(file: Path, result) -> str | None:
+    """What a result lacks of its task's evaluation splits (mteb's task metadata), naming the file; None if whole.
+
+    mteb saves a result after each split, so a run that failed at a long one (out of memory at LongEmbed's 8192
+    tokens) leaves the shorter ones, whose mean is no score of the task. A local task has one split: its result
+    is whole once written.
+    """
+    import mteb
+
+    try:
+        task = mteb.get_task(result.task_name)
+    except KeyError:  # not an mteb task: a local one
+        return None
+    missing = result.get_missing_evaluations(task)
+    if not missing:
+        return None
+    return (f"{file}: incomplete, {result.task_name} has no score for split(s) {', '.join(missing)} (its evaluation "
+            "stopped before them); rerun its evaluation to score them.")
+
+
 def check_results(paths: list[str]) -> list[str]:
-    """One line per file under ``paths`` that mteb's ``ResultCache`` could not read (truncated, not a result),
-    naming it and the fix; empty when every file reads."""
+    """One line per file under ``paths`` that mteb's ``ResultCache`` could not read (truncated, not a result) or
+    that lacks some of its task's splits (``incomplete``), naming it and the fix; empty when every file is fine."""
     problems = []
     for path in paths:
         for folder in model_folders(path):
-            for file in [folder / "model_meta.json", *result_files(folder)]:
+            try:
+                _model_label(folder)
+            except ValueError as e:
+                problems.append(str(e))
+            for file in result_files(folder):
                 try:
-                    _model_label(folder) if file.name == "model_meta.json" else _read_result(file)
+                    problem = incomplete(file, _read_result(file))
                 except ValueError as e:
-                    problems.append(str(e))
+                    problem = str(e)
+                if problem:
+                    problems.append(problem)
     return problems
 
 
 @dataclass(frozen=True)
 class StoredResult:
     """A task result with what identifies it beyond its column: its file, the weights and settings and the query
-    instruction recorded beside it (None where not recorded)."""
+    instruction recorded beside it, and its main score's metric recorded there (None where not recorded)."""
 
     file: Path
     result: object
     identity: dict | None
     instruction: str | None
+    main_score: str | None
 
     @classmethod
     def read(cls, folder: Path, file: Path) -> StoredResult:
         result = _read_result(file)
-        return cls(file, result, recorded_identity(folder), stored_instructions(folder).get(result.task_name))
+        task = result.task_name
+        return cls(file, result, recorded_identity(folder), stored_instructions(folder).get(task),
+                   stored_main_scores(folder).get(task))
 
     def differences(self, other: StoredResult) -> list[str]:
         """What tells two results for one column and task apart; none: the same result (a copied folder), whatever
@@ -259,13 +285,17 @@ def load_results(paths: list[str]) -> ResultTable:
                     f"{', '.join(differences)}; report one of them."
                 )
             sources[(label, result.task_name)] = stored
+            table.benchmarks[result.task_name] = benchmark_of(result.task_name)
+            table.metrics.setdefault(result.task_name, _main_metric(stored))
+            problem = incomplete(file, result)
+            if problem:  # its cell stays empty, as a missing score's: the mean of some splits is no task score
+                logger.warning("%s: %s", label, problem)
+                continue
             table.scores[label][result.task_name] = 100 * float(result.get_score())
             metric = OG_METRIC.get(result.task_name, OG_DEFAULT)
             og = [s["og"][metric] for split in result.scores.values() for s in split if "og" in s]
             if og:
                 table.details[label][(result.task_name, f"og {metric}")] = 100 * sum(og) / len(og)
-            table.benchmarks[result.task_name] = benchmark_of(result.task_name)
-            table.metrics.setdefault(result.task_name, _main_metric(result))
     return table
 
 
@@ -407,15 +437,16 @@ def build_parser():
     parser.add_argument("--out_dir", default="report", help="where report.md, report.csv and the PNGs go")
     parser.add_argument(
         "--check", action="store_true",
-        help="only name every result file mteb's ResultCache could not read (exit 1 if any); write nothing",
+        help="only name every result file mteb's ResultCache could not read, or that lacks some of its task's "
+             "splits (exit 1 if any); write nothing",
     )
     return parser
 
 
-#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads); 1 with
-#: ``--check``, some result file is unreadable (each named); 2 nothing could be reported, the message alone: a
-#: results folder that is missing or holds nothing readable, two results that cannot be merged, an ``--out_dir``
-#: that is a file. Anything else is a bug, with its traceback.
+#: ``report``'s exit statuses (``clihelp.run_command``): 0 done (with ``--check``: every result file reads and is
+#: complete); 1 with ``--check``, some result file is unreadable or incomplete (each named); 2 nothing could be
+#: reported, the message alone: a results folder that is missing or holds nothing readable, two results that cannot
+#: be merged, an ``--out_dir`` that is a file. Anything else is a bug, with its traceback.
 EXIT_STATUS: dict[type[Exception], int] = {ValueError: 2, FileNotFoundError: 2}  # our readers' errors
 
 
@@ -435,7 +466,8 @@ def _run(args) -> int:
         problems = check_results(args.results_dirs)
         for problem in problems:
             print(problem)
-        print(f"{len(problems)} unreadable file(s)." if problems else "Every result file reads.")
+        print(f"{len(problems)} unreadable or incomplete file(s)." if problems else
+              "Every result file reads and holds all of its task's splits.")
         return 1 if problems else 0
     problem = folder_problem(args.out_dir, "--out_dir")
     if problem:  # before any result is read

@@ -7,7 +7,8 @@ picks up another's scores, and the same weights loaded as base + adapter or as a
 the same revision. ``identity.jsonl`` beside the results records those weights and settings and is
 checked on every run (``check_identity``). A stored result is reused only for the same data (dataset
 revision; for local tasks a hash of their files) and the same query instruction (recorded in
-``query_instructions.jsonl``): ``rescore_reason`` says why one must be scored again.
+``query_instructions.jsonl``, with the metric of the task's main score): ``rescore_reason`` says why one must be
+scored again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from diffusion_embedder.files import read_json_object
 IDENTITY_FILE = "identity.jsonl"
 #: The identity file of older versions (renamed to ``IDENTITY_FILE`` when met; the report skips it).
 LEGACY_IDENTITY_FILE = "identity.json"
-#: Beside the results: the query instruction each task was scored with, one JSON line per task.
+#: Beside the results: the query instruction each task was scored with and the metric of its main score (a local
+#: task's comes from its task.json, which the report cannot read), one JSON line per task.
 INSTRUCTIONS_FILE = "query_instructions.jsonl"
 #: Where the weights came from, not what they are: never part of the revision or the identity (a copied
 #: checkpoint, or an adapter loaded beside its base instead of merged, is the same one).
@@ -166,25 +168,37 @@ def recorded_identity(results_dir: Path) -> dict | None:
     return None
 
 
-def stored_instructions(results_dir: Path) -> dict[str, str]:
-    """Task -> query instruction its stored result was scored with; unreadable lines count as no record."""
+def _stored_records(results_dir: Path) -> dict[str, dict]:
+    """Task -> its record in ``INSTRUCTIONS_FILE``; unreadable lines count as no record."""
     path = results_dir / INSTRUCTIONS_FILE
-    records: dict[str, str] = {}
+    records: dict[str, dict] = {}
     if path.is_file():
         for line in path.read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(json.JSONDecodeError, TypeError, KeyError):
                 record = json.loads(line)
-                records[str(record["task"])] = str(record["query_instruction"])
+                records[str(record["task"])] = dict(record)
     return records
 
 
-def record_instruction(results_dir: Path, task_name: str, instruction: str) -> None:
-    """Note the instruction ``task_name`` was just scored with (written after its result, replaced atomically)."""
-    records = {**stored_instructions(results_dir), task_name: instruction}
+def stored_instructions(results_dir: Path) -> dict[str, str]:
+    """Task -> query instruction its stored result was scored with."""
+    return {task: str(r["query_instruction"]) for task, r in _stored_records(results_dir).items()
+            if "query_instruction" in r}
+
+
+def stored_main_scores(results_dir: Path) -> dict[str, str]:
+    """Task -> the metric its stored main score is; absent for results of versions that did not record it."""
+    return {task: str(r["main_score"]) for task, r in _stored_records(results_dir).items() if "main_score" in r}
+
+
+def record_instruction(results_dir: Path, task_name: str, instruction: str, main_score: str) -> None:
+    """Note the instruction ``task_name`` was just scored with and its main score's metric (written after its
+    result, replaced atomically)."""
+    record = {"task": task_name, "query_instruction": instruction, "main_score": main_score}
+    records = {**_stored_records(results_dir), task_name: record}
     path = results_dir / INSTRUCTIONS_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"task": k, "query_instruction": v}) + "\n" for k, v in sorted(records.items())),
-                   encoding="utf-8")
+    tmp.write_text("".join(json.dumps(records[k]) + "\n" for k in sorted(records)), encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -220,7 +220,7 @@ def evaluate(model, factories: list[tuple[str, Callable]], args: EvalArguments) 
             )
             if result.exceptions:
                 raise RuntimeError("; ".join(str(e.exception) for e in result.exceptions))
-            record_instruction(results_dir, label, instruction)
+            record_instruction(results_dir, label, instruction, task.metadata.main_score)
             outcome.scores[label] = float(result.task_results[0].get_score())
             logger.info("%s: %s = %.4f", label, task.metadata.main_score, outcome.scores[label])
         except Exception as e:  # noqa: BLE001 - one task's failure must not lose the others
