@@ -45,15 +45,15 @@ def write_repo(folder: Path, configs: dict[str, dict[str, list[dict]]]) -> None:
     (folder / "README.md").write_text("\n".join([*lines, "---", ""]))
 
 
-@pytest.fixture(scope="module")
-def hub_run(tmp_path_factory):
-    data = tmp_path_factory.mktemp("data")
+def write_core17(folder: Path, qrel_diff: dict[str, list[str]]) -> None:
+    """A Core17 repo with two topics over four one-hot documents. Ranks: topic 1's d1 goes from 1st (og) to 4th
+    (changed); topic 2's d3 from 2nd to 1st, its d4 from 1st to 2nd. ``qrel_diff``: topic -> changed documents."""
     docs = [{"_id": f"d{i}", "title": "", "text": f"document {i} v={v}"}
             for i, v in enumerate(["1,0,0,0", "0,1,0,0", "0,0,1,0", "0,0,0,1"], 1)]
     vectors = {"1-og": "4,3,2,1", "1-changed": "1,3,2,4", "2-og": "1,2,3,4", "2-changed": "2,1,4,3"}
     qrels = [("1-og", "d1"), ("1-og", "d2"), ("1-changed", "d2"),
              ("2-og", "d2"), ("2-og", "d3"), ("2-og", "d4"), ("2-changed", "d2")]
-    write_repo(data / "mteb" / "Core17InstructionRetrieval", {
+    write_repo(folder, {
         "corpus": {"corpus": docs},
         "queries": {"queries": [{"_id": q, "text": f"topic {q[0]}"} for q in vectors]},
         "instruction": {
@@ -61,10 +61,14 @@ def hub_run(tmp_path_factory):
         },
         "default": {"test": [{"query-id": q, "corpus-id": d, "score": 1} for q, d in qrels]},
         "top_ranked": {"top_ranked": [{"query-id": q, "corpus-ids": ["d1", "d2", "d3", "d4"]} for q in vectors]},
-        "qrel_diff": {
-            "qrel_diff": [{"query-id": "1", "corpus-ids": ["d1"]}, {"query-id": "2", "corpus-ids": ["d3", "d4"]}]
-        },
+        "qrel_diff": {"qrel_diff": [{"query-id": q, "corpus-ids": ids} for q, ids in qrel_diff.items()]},
     })
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory):
+    data = tmp_path_factory.mktemp("data")
+    write_core17(data / "mteb" / "Core17InstructionRetrieval", {"1": ["d1"], "2": ["d3", "d4"]})
     # passkey: at lengths up to 2048 the key is found (query matches p1), beyond it the other document wins
     write_repo(data / "mteb" / "LEMBPasskeyRetrieval", {
         "corpus": {f"test_{n}": [{"_id": "p1", "text": f"key doc v={'1,0' if n <= 2048 else '0,1'}"},

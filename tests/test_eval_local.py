@@ -55,7 +55,11 @@ def ndcg_at_10(query_emb: np.ndarray, doc_emb: np.ndarray, qrels: list[set[int]]
     """Cosine ranking, binary gains, log2 discount; averaged over queries."""
     q = query_emb / np.linalg.norm(query_emb, axis=1, keepdims=True)
     d = doc_emb / np.linalg.norm(doc_emb, axis=1, keepdims=True)
-    scores = q @ d.T
+    return ranked_ndcg_at_10(q @ d.T, qrels)
+
+
+def ranked_ndcg_at_10(scores: np.ndarray, qrels: list[set[int]]) -> float:
+    """nDCG@10 of a (queries x documents) score matrix: binary gains, log2 discount; averaged over queries."""
     values = []
     for i, relevant in enumerate(qrels):
         top = np.argsort(-scores[i])[:10]
@@ -102,6 +106,25 @@ def test_mteb_ndcg_equals_an_independent_numpy_computation(reasonaug_runs, encod
     expected = ndcg_at_10(query_emb, doc_emb, qrels)
     assert first.scores["ReasonAugConceptRetrieval"] == pytest.approx(expected, abs=1e-5)
     assert 0.1 < expected < 1.0  # a real ranking, not a degenerate one
+
+
+@pytest.mark.parametrize("similarity", ["dot", "euclidean", "manhattan"])
+def test_results_are_scored_with_the_encoders_similarity_function(similarity, encoder, tmp_path):
+    queries, corpus = read_jsonl(REASONAUG / "queries.jsonl"), read_jsonl(REASONAUG / "corpus.jsonl")
+    doc_index = {d["_id"]: i for i, d in enumerate(corpus)}
+    qrels = [{doc_index[f"c{q['_id'][1:]}r{r}"] for r in range(2, 7)} for q in queries]
+    q = encoder.encode([[REASONAUG_INSTRUCTION, x["text"]] for x in queries], convert_to_numpy=True).astype(np.float64)
+    d = encoder.encode([["", x["text"]] for x in corpus], convert_to_numpy=True).astype(np.float64)
+    differences = q[:, None, :] - d[None, :, :]
+    scores = {"dot": q @ d.T, "euclidean": -np.sqrt((differences**2).sum(-1)),
+              "manhattan": -np.abs(differences).sum(-1)}[similarity]
+    expected = ranked_ndcg_at_10(scores, qrels)
+    assert expected != pytest.approx(ndcg_at_10(q, d, qrels), abs=1e-4)  # the ranking is not cosine's
+    assert run.main(["--base_model_name_or_path", str(LLAMA_FIXTURE), "--local_task", str(REASONAUG),
+                     "--output_dir", str(tmp_path), "--device", "cpu", "--torch_dtype", "float32",
+                     "--similarity_fn_name", similarity, "--no_progress_bar"]) == 0
+    (saved,) = tmp_path.rglob(f"experiments/similarity_fn_name_{similarity}/ReasonAugConceptRetrieval.json")
+    assert json.loads(saved.read_text())["scores"]["test"][0]["ndcg_at_10"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_documents_never_carry_the_query_instruction(reasonaug_runs):

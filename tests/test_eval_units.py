@@ -259,6 +259,21 @@ def test_an_edited_backbone_config_or_tokenizer_is_another_revision_and_a_copy_i
     assert len(revisions) == 3
 
 
+@pytest.mark.parametrize("name", ["cosine", "dot", "euclidean", "manhattan"])
+def test_scores_are_the_encoders_similarity_function(name):
+    stand_in = RecordingStandIn()
+    stand_in.config.to_dict = lambda: {"similarity_fn_name": name}
+    model = MTEBEncoder(stand_in, revision="r", name="t/pairs")
+    a, b = np.array([[3.0, 4.0], [1.0, 0.0]]), np.array([[6.0, 8.0], [0.0, 2.0]])
+    expected = np.array({"cosine": [[1.0, 0.8], [0.6, 0.0]], "dot": [[50.0, 8.0], [6.0, 0.0]],
+                         "euclidean": [[-5.0, -np.sqrt(13.0)], [-np.sqrt(89.0), -np.sqrt(5.0)]],
+                         "manhattan": [[-7.0, -5.0], [-13.0, -3.0]]}[name])
+    assert model.similarity(a, b).numpy() == pytest.approx(expected, abs=1e-6)
+    assert model.similarity_pairwise(a, b).numpy() == pytest.approx(np.diag(expected), abs=1e-6)
+    # mteb's ModelMeta names cosine and dot; it cannot read euclidean or manhattan back, so those are None
+    assert model.mteb_model_meta.similarity_fn_name == {"cosine": "cosine", "dot": "dot"}.get(name)
+
+
 def test_results_folder_of_another_checkpoint_is_refused(tmp_path):
     check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})
     check_identity(tmp_path, {"weights": "aaa", "settings": {"pooling_mode": "mean"}})  # same: fine

@@ -167,6 +167,32 @@ def test_a_hub_task_scores_again_when_its_dataset_revision_differs(tmp_path):
     assert edited.scores["BrightBiologyRetrieval"] == pytest.approx(1 / np.log2(3), abs=1e-5)  # x1 now second
 
 
+def test_an_edited_followir_copy_scores_p_mrr_with_its_edited_qrel_diff(tmp_path, monkeypatch):
+    """mteb's FollowIR tasks read ``qrel_diff`` while scoring, after ``load_data``: that read must come from the
+    edited copy too, not from ``datasets``' cache of the copy as it was."""
+    import datasets
+    from test_eval_hub_layout import write_core17
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets")
+    repo = tmp_path / "data" / "mteb" / "Core17InstructionRetrieval"
+    write_core17(repo, {"1": ["d1"], "2": ["d3", "d4"]})
+    args = run.EvalArguments(output_dir=str(tmp_path / "out"), data_dir=str(tmp_path / "data"),
+                             no_embedding_cache=True, task_name=["Core17InstructionRetrieval"], show_progress_bar=False)
+
+    def score():
+        outcome = run.evaluate(MTEBEncoder(VectorStandIn(), name="test/vectors", revision="hub"),
+                               run.task_factories(args), args)
+        assert not outcome.failures, outcome.failures
+        return outcome.scores["Core17InstructionRetrieval"]
+
+    # by hand (FollowIR's rank score): topic 1's d1, 1st -> 4th: 1 - 1/4 = 0.75; topic 2's d3, 2nd -> 1st:
+    # (1/2) / 1 - 1 = -0.5, its d4, 1st -> 2nd: 1 - 1/2 = 0.5. p-MRR is the mean over topics of their mean.
+    assert score() == pytest.approx((0.75 + (-0.5 + 0.5) / 2) / 2)
+    (repo / "qrel_diff" / "qrel_diff.jsonl").write_text(json.dumps({"query-id": "1", "corpus-ids": ["d1"]}) + "\n"
+                                                        + json.dumps({"query-id": "2", "corpus-ids": ["d3"]}) + "\n")
+    assert score() == pytest.approx((0.75 - 0.5) / 2)  # topic 2's changed document is d3 alone now
+
+
 def test_a_changed_shipped_instruction_scores_the_task_again(tmp_path, monkeypatch, caplog):
     """Without --task_to_instructions_fp the shipped file decides the query instruction; a package upgrade that
     changes it (here: an edited copy of the shipped file) must score the task again, at the standard path."""

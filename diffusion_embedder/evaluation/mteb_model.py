@@ -15,6 +15,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from mteb.models import ModelMeta
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ScoringFunction
@@ -30,6 +31,7 @@ from diffusion_embedder.evaluation.tasks import (
     split_max_length,
 )
 from diffusion_embedder.files import read_json_object
+from diffusion_embedder.similarity import SIMILARITY_FUNCTIONS, SIMILARITY_PAIRWISE, check_similarity_fn_name
 
 if TYPE_CHECKING:
     from diffusion_embedder.encoder import Encoder
@@ -40,6 +42,9 @@ logger = logging.getLogger(__name__)
 TRAIN_CONFIG = "train_config.json"
 PAPER = "https://arxiv.org/abs/2505.15045"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: The similarity functions mteb's ``ModelMeta`` can record and read back; euclidean and manhattan are recorded
+#: as None (the model's own). The scores are ``MTEBEncoder.similarity``'s either way.
+META_SCORING = {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT}
 
 
 def encoder_settings(encoder) -> dict:
@@ -102,6 +107,8 @@ class MTEBEncoder(AbsEncoder):
     * LongEmbed length splits (``test_4096``...) set ``max_length`` and ``doc_max_length`` to the
       split's length (at most ``max_length_cap``) for that split;
     * documents go through ``cache`` when one is given;
+    * scores are the encoder's own ``similarity_fn_name`` (mteb's ``AbsEncoder.similarity`` follows the meta,
+      which names only cosine and dot);
     * every call is encoded in chunks (``sharding.py``), over the ranks when run under torchrun.
     """
 
@@ -149,6 +156,8 @@ class MTEBEncoder(AbsEncoder):
         self.cache = cache
         self.max_length_cap = max_length_cap
         settings = encoder_settings(encoder)
+        # an encoder without the setting (a stand-in) scores as an Encoder does by default
+        self.similarity_fn_name = check_similarity_fn_name(settings.get("similarity_fn_name", "cosine"))
         overrides = dict(overrides or {})
         self.weights = weights_hash(encoder) if hasattr(encoder, "state_dict") else None
         self.backbone = backbone_hash(encoder) if self.weights is not None else None
@@ -207,12 +216,22 @@ class MTEBEncoder(AbsEncoder):
             public_training_data=None,
             framework=["PyTorch"],
             reference=f"https://huggingface.co/{hub}" if hub else PAPER,
-            similarity_fn_name=ScoringFunction.COSINE,
+            similarity_fn_name=META_SCORING.get(settings.get("similarity_fn_name", "cosine")),
             use_instructions=True,
             training_datasets=training_datasets(source.get("peft_model_name_or_path"),
                                                 source.get("base_model_name_or_path")),
             adapted_from=base if adapted else None,
         )
+
+    # ------------------------------------------------------------------ scores
+    def similarity(self, embeddings1, embeddings2) -> torch.Tensor:
+        """Every query against every document with the encoder's ``similarity_fn_name``: what retrieval ranks by."""
+        return SIMILARITY_FUNCTIONS[self.similarity_fn_name](embeddings1, embeddings2)
+
+    def similarity_pairwise(self, embeddings1, embeddings2) -> torch.Tensor:
+        """Each vector against its partner with the encoder's ``similarity_fn_name`` (pair and STS tasks)."""
+        a, b = (e if torch.is_tensor(e) else torch.as_tensor(np.asarray(e)) for e in (embeddings1, embeddings2))
+        return SIMILARITY_PAIRWISE[self.similarity_fn_name](a.float(), b.float())
 
     # ------------------------------------------------------------------ inputs
     def _query_texts(self, batch: dict) -> list[str]:

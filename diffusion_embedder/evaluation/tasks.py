@@ -175,11 +175,18 @@ def get_mteb_task(name: str, data_dir: str | None = None):
     dataset = {**cls.metadata.dataset, "path": local, "revision": revision}
     metadata = cls.metadata.model_copy(update={"dataset": dataset})
 
-    def load_data(self, *args, **kwargs):
-        with datasets_cache(fingerprint):
-            return cls.load_data(self, *args, **kwargs)
+    def in_copy_cache(method):
+        """``method`` with ``datasets`` reading this copy's cache: ``load_data``, and ``evaluate``, where FollowIR's
+        ``task_specific_scores`` reads ``qrel_diff`` with its own ``load_dataset``."""
 
-    local_cls = type(cls.__name__, (cls,), {"metadata": metadata, "load_data": load_data})
+        def wrapped(self, *args, **kwargs):
+            with datasets_cache(fingerprint):
+                return method(self, *args, **kwargs)
+
+        return wrapped
+
+    local_cls = type(cls.__name__, (cls,), {"metadata": metadata, "load_data": in_copy_cache(cls.load_data),
+                                            "evaluate": in_copy_cache(cls.evaluate)})
     logger.info("%s: reading %s (local copy %s)", name, local, fingerprint)
     return local_cls()
 
