@@ -146,8 +146,8 @@ def test_a_hub_task_scores_again_when_its_dataset_revision_differs(tmp_path):
         outcome = run.evaluate(model, run.task_factories(args), args)
         return outcome, stand_in.calls
 
-    first, c = score()
-    print("CALLS", c)
+    first, encoded = score()
+    assert encoded  # scored: the model was asked for vectors
     assert first.scores["BrightBiologyRetrieval"] == pytest.approx(1.0)
     result = next((tmp_path / "out").rglob("BrightBiologyRetrieval.json"))
     revision = json.loads(result.read_text())["dataset_revision"]
