@@ -192,6 +192,21 @@ def test_run_requests_resumes_without_resending(tmp_path):
     assert run_requests(EchoClient(), _requests(10), out).sent == 0
 
 
+def test_a_failed_line_of_a_downloaded_batch_output_is_sent_again(tmp_path):
+    """The CLI tells a user whose Batch-API output holds failed lines to rerun without --batch: that rerun skipped
+    them as done, sent nothing, reported no failure, and the items were dropped."""
+    out = tmp_path / "out.jsonl"
+    run_requests(EchoClient(), _requests(3), out)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    lines[1] = {"id": "b1", "custom_id": "r1", "response": None, "error": {"code": "batch_expired", "message": "x"}}
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert read_batch_outputs(out)["r1"].content is None
+    client = EchoClient()
+    report = run_requests(client, _requests(3), out)
+    assert report.sent == 1 and report.skipped == 2 and len(client.bodies) == 1
+    assert {k: v.content for k, v in read_batch_outputs(out).items()} == {f"r{i}": f"answer to q{i}" for i in range(3)}
+
+
 def test_truncated_last_line_is_repaired(tmp_path):
     out = tmp_path / "out.jsonl"
     run_requests(EchoClient(), _requests(2), out)

@@ -293,14 +293,16 @@ class RunReport:
 
 
 async def run_requests_async(client: Completer, requests: list[dict], out_path: str | Path) -> RunReport:
-    """Send every request whose custom_id is not yet in ``out_path``; append each answer as it arrives.
+    """Send every request not yet answered in ``out_path``; append each answer as it arrives.
 
-    A failed request is logged and left out of the file, so the next run retries it.
+    A failed request is logged and left out of the file, so the next run retries it. A line there without an answer
+    (a Batch-API output's failed request: an error, a non-200 status) is sent again too; the new line, later in the
+    file, is the one read.
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _repair_tail(out_path)
-    done = set(read_saved_answers(out_path))
+    done = {cid for cid, answer in read_saved_answers(out_path).items() if answer.content is not None}
     todo = [r for r in requests if r["custom_id"] not in done]
     report = RunReport(skipped=len(requests) - len(todo))
     if not todo:
