@@ -89,12 +89,19 @@ def custom_module_reasons(encoder: nn.Module) -> list[str]:
             "(a different vector inside a batch, an error alone)"
         )
     doc_limit = config.doc_max_length + special_token_count(encoder.tokenizer)
-    if doc_limit < config.max_length and any(text.strip() for text in config.prompts.values()):
-        reasons.append(
-            f"prompts with doc_max_length={config.doc_max_length} < max_length={config.max_length}: the encoder cuts "
-            "a long text to doc_max_length tokens and keeps its whole instruction, sentence-transformers cuts prompt "
-            "and text together at one max_seq_length"
-        )
+    if any(text.strip() for text in config.prompts.values()):
+        if doc_limit < config.max_length:
+            reasons.append(
+                f"prompts with doc_max_length={config.doc_max_length} < max_length={config.max_length}: the encoder "
+                "cuts a long text to doc_max_length tokens and keeps its whole instruction, sentence-transformers "
+                "cuts prompt and text together at one max_seq_length"
+            )
+        else:
+            reasons.append(
+                "prompts: the encoder cuts a long prompted text at a character of the text, sentence-transformers "
+                "cuts the row at a token, and a character spread over several tokens (byte fallback: most non-ASCII "
+                "text) leaves the two rows a token apart"
+            )
     return reasons
 
 

@@ -257,6 +257,30 @@ def test_an_edited_backbone_config_or_tokenizer_is_another_revision_and_a_copy_i
     (retokenized / "tokenizer.json").write_text(json.dumps(tokenizer))
     revisions = {revision(LLAMA_FIXTURE), revision(stretched), revision(retokenized)}
     assert len(revisions) == 3
+    # the tokenizer's truncation and padding are call state (any Hugging Face call sets them), not the model's
+    from diffusion_embedder.evaluation.results import backbone_hash
+
+    encoder = Encoder.from_pretrained(str(LLAMA_FIXTURE), torch_dtype=torch.float32, device="cpu")
+    before = backbone_hash(encoder)
+    encoder.tokenizer(["a b c d"], truncation=True, max_length=2, padding="max_length")
+    assert encoder.tokenizer.backend_tokenizer.truncation is not None and backbone_hash(encoder) == before
+
+
+def test_a_store_written_before_the_backbone_hash_still_reads():
+    """Its chunks were stamped with the identity of the keys then: a manifest without ``model.backbone_sha256``
+    still hashes to that (computed here by hand), so the store reads; one with it is another identity."""
+    import hashlib
+
+    from diffusion_embedder.evaluation.store import IDENTITY_KEYS, identity
+
+    old = {"format": "f", "model": {"weights_sha256": "w"}, "settings": {"pooling_mode": "mean"},
+           "torch_dtype": "float32", "embedding_dim": 4, "corpus": {"fingerprint": "c", "num_rows": 3},
+           "chunks": {"chunk_size": 2, "chunk_chars": 100, "num_chunks": 2}}
+    then = [k for k in IDENTITY_KEYS if k != "model.backbone_sha256"]
+    values = [old["format"], "w", old["settings"], "float32", 4, "c", 3, 2, 100, 2]
+    assert len(then) == len(values)
+    assert identity(old) == hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+    assert identity({**old, "model": {"weights_sha256": "w", "backbone_sha256": "b"}}) != identity(old)
 
 
 @pytest.mark.parametrize("name", ["cosine", "dot", "euclidean", "manhattan"])

@@ -259,6 +259,35 @@ def test_a_positive_given_without_its_title_is_its_titled_corpus_document(tmp_pa
     assert load_embeddings(str(tmp_path / "out" / "documents"))[0] == [d["_id"] for d in docs]
 
 
+def test_the_positive_is_the_document_its_id_names_and_every_copy_of_it_is_excluded(tmp_path, encoder):
+    """Two titled documents share one text field and the pair names the second: its score is the positive's (the
+    first document with that field was taken). An untitled copy of the positive's text, and the other titled one,
+    are never its negatives (the copy had come back once the positive matched the titled document)."""
+    docs = read_jsonl(BEIR)[:20]
+    body = docs[0]["text"]
+    docs = [{"_id": "cake", "title": "Cake", "text": body}, {"_id": "bread", "title": "Bread", "text": body},
+            {"_id": "copy", "title": "", "text": "  " + body.upper()}, *docs[1:]]
+    pairs = [{"query": " ".join(body.split()[:10]), "positive": body, "pid": "bread"},
+             {"query": "Which problem is this?", "positive": body}]
+    corpus, pair_file = tmp_path / "corpus.jsonl", tmp_path / "pairs.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    pair_file.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    mine_hard_negatives(str(pair_file), str(tmp_path / "out"), str(corpus), encoder=encoder, chunk_size=32,
+                        positive_id_field="pid", keep_fewer=True, relative_margin=None, range_max=30,
+                        num_negatives=30, output_scores=True)
+    records = read_jsonl(tmp_path / "out" / "negatives.jsonl")
+    for record in records:
+        assert not {"cake", "bread", "copy"} & set(record["negative_ids"]), record["negative_ids"]
+    ids, vectors = load_embeddings(str(tmp_path / "out" / "documents"))
+    query_ids, queries = load_embeddings(str(tmp_path / "out" / "queries"))
+    unit = lambda v: v.astype(np.float64) / np.linalg.norm(v.astype(np.float64))  # noqa: E731
+    by_id = dict(zip(ids, vectors, strict=True))
+    named = float(unit(queries[query_ids.index("q:1")]) @ unit(by_id["bread"]))
+    other = float(unit(queries[query_ids.index("q:1")]) @ unit(by_id["cake"]))
+    assert abs(named - other) > 1e-4  # the titles make them two vectors
+    assert records[0]["positive_score"] == pytest.approx(named, abs=1e-6)
+
+
 def test_loading_options_beside_an_encoder_are_refused(tmp_path, encoder):
     """An ``Encoder`` given to ``mine_hard_negatives`` is used as it is: a setting that would only reach a model
     loaded from ``base_model_name_or_path`` is refused, not ignored."""

@@ -99,8 +99,11 @@ def backbone_hash(encoder) -> str:
     tokenizer = encoder.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    digest.update(backend.to_str().encode() if backend is not None else
-                  json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    if backend is not None:  # less its truncation and padding: call state, set by every Hugging Face call
+        state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
+        digest.update(json.dumps(state, sort_keys=True).encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     digest.update(json.dumps([type(tokenizer).__name__, tokenizer.special_tokens_map, tokenizer.padding_side],
                              sort_keys=True, default=str).encode())
     return digest.hexdigest()

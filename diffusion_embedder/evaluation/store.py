@@ -73,11 +73,17 @@ def _differences(stored: dict, manifest: dict, known_only: bool = False) -> list
     return lines
 
 
+#: Identity keys added after stores were first written: left out of ``identity`` where a manifest lacks them, so a
+#: store written before still reads (a new run's manifest, which has them, still differs from its manifest).
+LATER_IDENTITY_KEYS = ("model.backbone_sha256",)
+
+
 def identity(manifest: dict) -> str:
     """SHA-256 of the manifest's ``IDENTITY_KEYS`` values: stored in every chunk record, so a chunk is never taken
     for another model's, settings' or corpus's, even where the manifest was deleted or replaced."""
     flat = _flat(json.loads(json.dumps(manifest)))
-    return hashlib.sha256(json.dumps([flat.get(k) for k in IDENTITY_KEYS], sort_keys=True).encode()).hexdigest()
+    values = [flat.get(k) for k in IDENTITY_KEYS if k in flat or k not in LATER_IDENTITY_KEYS]
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
 def claim_folder(folder: str, manifest: dict) -> None:

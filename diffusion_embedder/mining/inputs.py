@@ -12,9 +12,11 @@ A query never gets back one of its positives, by id or by text, nor its own text
 with small differences: every document whose normalized text is a positive's, the text of a positive's id, or the
 query's is excluded. Documents with one normalized text form a group; a query's exclusions are whole groups.
 
-A positive is the corpus document with its exact text, else the one whose text field alone (before its title was
-joined), normalized, is the positive's, since pairs usually give a positive without its title; only a positive that
-matches no document is added. A query's own text is matched the same way.
+A positive is the document its positive id names, where that document's text or text field is the positive's; else
+the corpus document with its exact text, else its normalized text; else the one whose text field alone (before its
+title was joined), normalized, is the positive's, since pairs usually give a positive without its title. Only a
+positive that matches no document is added. Every document whose normalized text, or text field, is the positive's
+is excluded as well; so is every one that is the query's own text either way.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class MiningInputs:
     groups: np.ndarray
     #: per query, the groups it never gets back (its positives', its own text's)
     excluded_groups: list[np.ndarray]
-    #: per query, the documents holding its positives' own texts (the positive scores)
+    #: per query, its records' positive documents (the positive scores)
     positive_documents: list[list[int]]
     #: the most groups excluded for one query: room the search leaves above the window (ST's max_positives)
     max_excluded: int
@@ -120,43 +122,64 @@ def _bodies(corpus: Corpus | None) -> dict[str, int]:
 
 
 def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str,
-               bodies: dict[str, int]) -> tuple[Corpus, dict[str, int]]:
-    """The candidate documents and the document of each positive's text."""
+               bodies: dict[str, int]) -> tuple[Corpus, list[int]]:
+    """The candidate documents and each record's positive document: the one its positive id names where that
+    document's text or text field is the positive's (normalized); else the first with the positive's exact text,
+    then normalized text, then normalized text field; else the positive itself, added to the documents."""
     ids, texts = (list(corpus.ids), list(corpus.texts)) if corpus else ([], [])
-    index_of: dict[str, int] = {}
+    fields = list((corpus.bodies or corpus.texts) if corpus else [])
+    exact: dict[str, int] = {}
+    whole: dict[str, int] = {}
     for i, text in enumerate(texts):
-        index_of.setdefault(text, i)
+        exact.setdefault(text, i)
+        whole.setdefault(normalize_text(text), i)
+    doc_of_id = {doc_id: i for i, doc_id in enumerate(ids)}
     taken = set(ids)
+    placed = []
     for r in records:
-        if r.positive not in index_of and normalize_text(r.positive) in bodies:
-            index_of[r.positive] = bodies[normalize_text(r.positive)]
-        if r.positive not in index_of:
+        key = normalize_text(r.positive)
+        named = doc_of_id.get(r.positive_id) if r.positive_id is not None else None
+        if named is not None and key in (normalize_text(texts[named]), normalize_text(fields[named])):
+            placed.append(named)
+        elif r.positive in exact:
+            placed.append(exact[r.positive])
+        elif key in whole:
+            placed.append(whole[key])
+        elif key in bodies:
+            placed.append(bodies[key])
+        else:
             doc_id = f"{ADDED_PREFIX}{r.line}"
             if doc_id in taken:
                 raise MiningError(f"--corpus has an id {doc_id!r}, the id given to the positive of {pairs}:{r.line} "
                                   "that the corpus lacks; rename that corpus id.")
-            index_of[r.positive] = len(texts)
+            exact[r.positive] = len(texts)
+            placed.append(len(texts))
             ids.append(doc_id)
             texts.append(r.positive)
     pairs = os.path.abspath(pairs)
     source = f"{corpus.source} + the positives of {pairs}" if corpus else f"the positives of {pairs}"
-    return Corpus(source, ids, texts), index_of
+    return Corpus(source, ids, texts), placed
 
 
 def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> MiningInputs:
     """Group the records into queries, build the documents and each query's exclusions."""
     bodies = _bodies(corpus)
-    documents, index_of = _documents(corpus, records, pairs, bodies)
+    documents, positive_of = _documents(corpus, records, pairs, bodies)
     group_of: dict[str, int] = {}
     groups = np.asarray([group_of.setdefault(normalize_text(t), len(group_of)) for t in documents.texts],
                         dtype=np.int64)
     doc_of_id = {doc_id: i for i, doc_id in enumerate(documents.ids)}
+    same: dict[str, set[int]] = {}  # a normalized text -> the groups of the documents that are it, or whose field is
+    for i, field_text in enumerate((corpus.bodies or corpus.texts) if corpus else []):
+        same.setdefault(normalize_text(field_text), set()).add(int(groups[i]))
+    for text, group in group_of.items():
+        same.setdefault(text, set()).add(group)
     query_of: dict[tuple[str, str], int] = {}
     q_ids, q_instructions, q_texts = [], [], []
     excluded: list[set[int]] = []
     positives: list[list[int]] = []
     placed = []
-    for r in records:
+    for r, doc in zip(records, positive_of, strict=True):
         instruction = custom_instruction(r.instruction)
         key = (instruction, r.query)
         if key not in query_of:
@@ -164,15 +187,10 @@ def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> Min
             q_ids.append(f"q:{r.line}")
             q_instructions.append(instruction)
             q_texts.append(r.query)
-            text = normalize_text(r.query)  # its own text: as a whole document, or a document's text field
-            own = {group_of[text]} if text in group_of else set()
-            if text in bodies:
-                own.add(int(groups[bodies[text]]))
-            excluded.append(own)
+            excluded.append(set(same.get(normalize_text(r.query), ())))  # its own text, either way
             positives.append([])
         q = query_of[key]
-        doc = index_of[r.positive]
-        excluded[q].add(int(groups[doc]))
+        excluded[q] |= {int(groups[doc]), *same.get(normalize_text(r.positive), ())}  # every copy, either way
         if r.positive_id is not None:
             excluded[q].add(int(groups[doc_of_id[r.positive_id]]))
         if doc not in positives[q]:
