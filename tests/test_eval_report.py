@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from diffusion_embedder.evaluation import report, results  # noqa: E402
+from diffusion_embedder.evaluation import report, result_table, results  # noqa: E402
 from diffusion_embedder.evaluation.tasks import BRIGHT, LONGEMBED  # noqa: E402
 
 DREAM = "diffusion_embedder/dream-reasonaug-checkpoint-1000@1a2b3c4d"
@@ -22,9 +22,9 @@ QWEN = "diffusion_embedder/Qwen2.5-7B-Instruct@9f8e7d6c"
 
 
 @pytest.fixture
-def table() -> report.ResultTable:
+def table() -> result_table.ResultTable:
     """LongEmbed filled in alphabetical order (as files are read), Qwen missing Needle; one of BRIGHT's 12 tasks."""
-    t = report.ResultTable(models=[DREAM, DREAM_CAUSAL, QWEN])
+    t = result_table.ResultTable(models=[DREAM, DREAM_CAUSAL, QWEN])
     for m in t.models:
         t.scores[m], t.details[m] = {}, {}
     for i, task in enumerate(sorted(LONGEMBED)):
@@ -70,7 +70,7 @@ def test_short_labels_with_a_key_in_legend_and_table(table, figures):
     assert markdown.splitlines()[0] == "| benchmark | task | metric | " + " | ".join(short.values()) + " |"
     assert f"- **Qwen2.5-7B-Instruct**: `{QWEN}`" in markdown
     # two columns that would read the same get their revision back
-    same = report.short_labels(["a/run@11111111", "b/run@22222222"])
+    same = result_table.short_labels(["a/run@11111111", "b/run@22222222"])
     assert same == {"a/run@11111111": "run@111111", "b/run@22222222": "run@222222"}
 
 
@@ -128,7 +128,7 @@ def test_a_label_carries_its_settings_only_where_names_clash():
     """Runs told apart by name (the demo's four arms) get no settings string squeezing the chart; the key has it."""
     runs = ["demo/bidir-untrained@940caecf (doc_max_length=128,enable_bidirectional=True,max_length=128)",
             "demo/bidir-trained@eb723e58 (enable_bidirectional=True)"]
-    assert report.short_labels(runs) == {runs[0]: "bidir-untrained", runs[1]: "bidir-trained"}
+    assert result_table.short_labels(runs) == {runs[0]: "bidir-untrained", runs[1]: "bidir-trained"}
 
 
 # ------------------------------------------------------------------ FollowIR: mean over the task's splits
@@ -148,7 +148,7 @@ def write_followir_results(folder) -> None:
     folder.mkdir(parents=True)
     (folder / "model_meta.json").write_text(json.dumps({"name": "diffusion_embedder/m", "revision": "0123456789"}))
     for task, splits in FOLLOWIR_SPLITS.items():
-        og_metric = report.OG_METRIC.get(task, report.OG_DEFAULT)
+        og_metric = result_table.OG_METRIC.get(task, result_table.OG_DEFAULT)
         scores = {split: [{"hf_subset": "default", "languages": ["eng-Latn"], "main_score": p_mrr, "p-MRR": p_mrr,
                            "og": {og_metric: og, "ndcg_at_10": 0.0}, "changed": {og_metric: 0.0}}]
                   for split, (p_mrr, og) in splits.items()}
@@ -166,7 +166,7 @@ def test_followir_columns_are_the_mean_over_the_task_s_splits(tmp_path):
     for task, splits in FOLLOWIR_SPLITS.items():
         (p_test, og_test), (p_dev, og_dev) = splits["test"], splits["dev"]
         hand_main, hand_og = 100 * (p_test + p_dev) / 2, 100 * (og_test + og_dev) / 2  # exact in binary
-        og_label = f"og {report.OG_METRIC.get(task, report.OG_DEFAULT)}"
+        og_label = f"og {result_table.OG_METRIC.get(task, result_table.OG_DEFAULT)}"
         assert table.scores[model][task] == hand_main and rows[task] == hand_main, task
         assert table.details[model][(task, og_label)] == hand_og and rows[f"{task} ({og_label})"] == hand_og, task
         assert f"| followir | {task} | p-MRR | {hand_main:.2f} |" in markdown

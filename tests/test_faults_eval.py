@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from diffusion_embedder.data.jsonl import DataFormatError  # noqa: E402
-from diffusion_embedder.evaluation import report, results, run, tasks  # noqa: E402
+from diffusion_embedder.evaluation import report, result_table, results, run, tasks  # noqa: E402
 from diffusion_embedder.evaluation.cache import EmbeddingCache, settings_key, text_hash  # noqa: E402
 from diffusion_embedder.evaluation.local import load_local_task  # noqa: E402
 from diffusion_embedder.evaluation.mteb_model import MTEBEncoder  # noqa: E402
@@ -237,12 +237,12 @@ def test_report_refuses_two_different_results_for_one_checkpoint_and_task(tmp_pa
     edit_qrels(folder)
     evaluate(folder, tmp_path / "after")
     with pytest.raises(ValueError, match="Two different results") as err:
-        report.load_results([str(tmp_path / "before"), str(tmp_path / "after")])
+        result_table.load_results([str(tmp_path / "before"), str(tmp_path / "after")])
     files = [str(p) for p in (tmp_path / "before").rglob(f"{TASK}.json")] + [
         str(p) for p in (tmp_path / "after").rglob(f"{TASK}.json")]
     assert all(f in str(err.value) for f in files)
     # the same result twice (a copied folder) is one column, not a conflict
-    table = report.load_results([str(tmp_path / "before"), str(tmp_path / "copy")])
+    table = result_table.load_results([str(tmp_path / "before"), str(tmp_path / "copy")])
     assert len(table.models) == 1
     assert table.scores[table.models[0]][TASK] == pytest.approx(100 * before, abs=1e-3)
 
@@ -269,7 +269,7 @@ def test_a_truncated_result_file_names_the_file_and_the_fix(tmp_path):
     message = broken.outcome.failures[TASK]
     assert str(result) in message and "--overwrite" in message
     with pytest.raises(ValueError, match="--overwrite") as err:
-        report.load_results([str(out)])
+        result_table.load_results([str(out)])
     assert str(result) in str(err.value)
     fixed = evaluate(folder, out, overwrite=True)
     assert fixed.score == pytest.approx(hand_ndcg_at_10(folder), abs=1e-5)
@@ -310,7 +310,7 @@ def test_a_damaged_model_meta_names_the_file(tmp_path):
     folder.mkdir(parents=True)
     (folder / "model_meta.json").write_text('{"name": "m",')
     with pytest.raises(ValueError, match=r"model_meta.json:1: not valid JSON"):
-        report.load_results([str(tmp_path)])
+        result_table.load_results([str(tmp_path)])
 
 
 def truncate_rows(folder: Path, shard: str) -> None:
