@@ -219,7 +219,10 @@ def _plan_load(base: str, saved: dict, keep_own_adapter: bool, hub_kwargs: dict)
     model_type = saved.get("model_type") or backbones.get_spec(
         backbones.read_config_dict(weights_from, **hub_kwargs).get("model_type", "<missing>")
     ).model_type
-    merges = list({_place(m): m for m in reversed(saved.get("merged_adapters", []))}.values())[::-1]
+    merges: list[str] = []
+    for merged in saved.get("merged_adapters", []):  # in merge order, each adapter once however it is spelled
+        if _place(merged) not in {_place(m) for m in merges}:
+            merges.append(merged)
     keep_own = bool(own_adapter) and is_encoder_folder and keep_own_adapter
     if own_adapter and not keep_own and _place(base) not in {_place(m) for m in merges}:
         merges.append(base)

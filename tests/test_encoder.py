@@ -527,3 +527,14 @@ def test_a_pool_never_encodes_with_weights_the_encoder_no_longer_has():
             encoder.stop_multi_process_pool(pool)
     finally:
         encoder.stop_pool()
+
+
+def test_merged_adapters_recorded_twice_under_two_spellings_merge_once_in_their_order(tmp_path):
+    from diffusion_embedder.loading import _plan_load
+
+    (tmp_path / "A").mkdir()
+    (tmp_path / "B").mkdir()
+    (tmp_path / "A_link").symlink_to(tmp_path / "A")
+    saved = {"merged_adapters": [str(tmp_path / "A"), str(tmp_path / "B"), str(tmp_path / "A_link")]}
+    plan = _plan_load(str(LLAMA_FIXTURE), saved, keep_own_adapter=False, hub_kwargs={})
+    assert plan.merges == (str(tmp_path / "A"), str(tmp_path / "B"))

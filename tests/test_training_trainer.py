@@ -235,8 +235,18 @@ def test_mntp_adapter_is_merged_then_fresh_lora(tmp_path, folder):
     assert (ours - base.encode(text, show_progress_bar=False)).abs().max() > 1e-3  # the merge changed the model
 
 
-def test_simcse_adapter_is_continued(tmp_path):
-    simcse = tmp_path / "toy-mntp-unsup-simcse"
+def test_adapter_name_is_its_own_or_its_run_s_for_a_checkpoint():
+    from diffusion_embedder.training.supervised import adapter_name
+
+    assert adapter_name("/runs/my_simcse_study/toy-mntp") == "toy-mntp"
+    assert adapter_name("/runs/x/toy-mntp-unsup-simcse/checkpoint-500/") == "toy-mntp-unsup-simcse/checkpoint-500"
+    assert adapter_name("org/name-simcse") == "name-simcse"
+
+
+@pytest.mark.parametrize("folder", ["toy-mntp-unsup-simcse", "toy-mntp-unsup-simcse/checkpoint-500"])
+def test_simcse_adapter_is_continued(tmp_path, folder):
+    """Also a checkpoint of a SimCSE run: its run's folder names it."""
+    simcse = tmp_path / folder
     saved = _save_adapter(simcse, seed=2)
     cfg = make_config(tmp_path, peft_model_name_or_path=str(simcse))
     encoder = prepare_encoder(cfg.model, cfg.custom, cfg.training)

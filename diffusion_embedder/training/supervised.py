@@ -10,6 +10,7 @@ SimCSE (``simcse.py``) is this stage with its own defaults and checks.
 from __future__ import annotations
 
 import logging
+import re
 
 from diffusion_embedder import clihelp
 from diffusion_embedder.compilation import compile_layers
@@ -93,6 +94,15 @@ def graph_tokens(cfg: TrainConfig, num_negatives: int) -> int:
     return texts * cfg.model.max_length
 
 
+def adapter_name(path: str) -> str:
+    """An adapter's own name, never the folders it sits in: the last part of its folder or hub name, with its run's
+    folder in front of a ``checkpoint-N`` (a SimCSE run's checkpoint is continued as the run's adapter)."""
+    parts = [p for p in path.replace("\\", "/").rstrip("/").split("/") if p]
+    if len(parts) > 1 and re.fullmatch(r"checkpoint-\d+", parts[-1]):
+        return f"{parts[-2]}/{parts[-1]}"
+    return parts[-1] if parts else path
+
+
 def prepare_encoder(
     model_args: ModelArguments, custom: CustomArguments, training_args, tokens: int | None = None
 ) -> Encoder:
@@ -101,8 +111,7 @@ def prepare_encoder(
     decoder layers checkpointed that the config asks for (``tokens`` per graph: what "auto" plans for).
     """
     peft_path = located(model_args.peft_model_name_or_path)
-    # the adapter's own name (the last part of its folder or hub name), never the folders it sits in
-    continuing = peft_path is not None and "simcse" in model_short_name(peft_path).lower()
+    continuing = peft_path is not None and "simcse" in adapter_name(peft_path).lower()
     encoder = Encoder.from_pretrained(
         located(model_args.model_name_or_path),
         peft_model_name_or_path=peft_path,
