@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -97,14 +98,40 @@ def concurrent_forwards(model: nn.Module, device: torch.device) -> int:
     return max(1, min(DEFAULT_FORWARDS, torch.get_num_threads()))
 
 
+class _ThreadDefault:
+    """torch's intra-op thread count while forwards run side by side. Setting a thread's count also sets the
+    default of threads started after, so the count is taken by the first run to start and put back by the last to
+    end: a caller started while another run's forward threads were setting it would have taken theirs."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running = 0
+        self._threads = 1
+
+    def enter(self) -> int:
+        with self._lock:
+            if not self._running:
+                self._threads = torch.get_num_threads()
+            self._running += 1
+            return self._threads
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                torch.set_num_threads(self._threads)
+
+
+_THREAD_DEFAULT = _ThreadDefault()
+
+
 def run_concurrently(forward: Callable[[T], R], items: Iterable[T], count: int) -> Iterator[R]:
     """``forward(item)`` for each item, in order, ``count`` at a time in threads that share the intra-op threads
     (and in inference mode, which is per thread); at most ``count`` items are taken ahead of the results."""
     if count == 1:
         yield from map(forward, items)
         return
-    before = torch.get_num_threads()
-    threads = max(1, before // count)
+    threads = max(1, _THREAD_DEFAULT.enter() // count)
 
     def run(item: T) -> R:
         with torch.inference_mode():
@@ -122,4 +149,4 @@ def run_concurrently(forward: Callable[[T], R], items: Iterable[T], count: int) 
             yield pending.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        torch.set_num_threads(before)  # the threads' setting is also the default of threads started later
+        _THREAD_DEFAULT.leave()

@@ -184,3 +184,20 @@ def test_rotary_kinds_per_layer_type_are_read_and_the_thread_default_is_kept():
         before = in_a_new_thread()
         assert list(cpu_forwards.run_concurrently(lambda x: x * 2, range(6), 2)) == [0, 2, 4, 6, 8, 10]
         assert in_a_new_thread() == before == 2 and torch.get_num_threads() == 2
+    # two runs at once, the second started in a thread born while the first's forward threads ran (it inherits
+    # their count): the last to end puts back the count from before the first
+    import time
+
+    def slow(x):
+        time.sleep(0.2)
+        return x
+
+    with torch_threads(4):
+        first = threading.Thread(target=lambda: list(cpu_forwards.run_concurrently(slow, range(4), 2)))
+        first.start()
+        time.sleep(0.1)
+        second = threading.Thread(target=lambda: list(cpu_forwards.run_concurrently(slow, range(8), 2)))
+        second.start()
+        first.join()
+        second.join()
+        assert in_a_new_thread() == 4
