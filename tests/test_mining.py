@@ -486,3 +486,14 @@ def test_faiss_ranks_as_the_exact_search_for_every_similarity_function(tmp_path,
     for method in ("exact", "faiss"):
         found = np.concatenate([b.indices for _, b in search(asked, documents, 5, similarity, method=method)])
         assert np.array_equal(found, expected), method
+
+
+def test_positives_of_one_normalized_text_that_the_corpus_lacks_are_added_once():
+    from diffusion_embedder.evaluation.encode_corpus import Corpus
+    from diffusion_embedder.mining.inputs import PairRecord, collect
+
+    corpus = Corpus("c", ["d0"], ["Another document."], bodies=["Another document."])
+    records = [PairRecord(1, "q1", "A new positive.", None, None), PairRecord(2, "q2", "a  NEW positive.", None, None)]
+    inputs = collect(records, corpus, "pairs.jsonl")
+    assert inputs.documents.ids == ["d0", "pairs:1"]
+    assert [r.positive_index for r in inputs.records] == [1, 1]

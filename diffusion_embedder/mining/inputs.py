@@ -152,7 +152,7 @@ def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str,
             if doc_id in taken:
                 raise MiningError(f"--corpus has an id {doc_id!r}, the id given to the positive of {pairs}:{r.line} "
                                   "that the corpus lacks; rename that corpus id.")
-            exact[r.positive] = len(texts)
+            exact[r.positive] = whole[key] = len(texts)  # a later positive of the same text is this document
             placed.append(len(texts))
             ids.append(doc_id)
             texts.append(r.positive)

@@ -32,8 +32,9 @@ NEGATIVES = "negatives.jsonl"
 MANIFEST = "manifest.json"
 #: The rules that turn candidates into negatives, numbered: a new number whenever the same stores, pairs and
 #: options would give other negatives, so negatives mined by older rules are mined again, never reused (2: the
-#: search counts distinct texts; a positive given without its title is its titled corpus document).
-RULES = 2
+#: search counts distinct texts; a positive given without its title is its titled corpus document. 3: a positive is
+#: the document its id names; every copy of a positive, whole text or text field, is excluded).
+RULES = 3
 #: Options beyond the filters' that change what is written.
 OUTPUT_OPTIONS = ("keep_fewer", "output_scores", "search", "faiss_index")
 

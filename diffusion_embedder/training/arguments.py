@@ -105,7 +105,8 @@ def _model_arguments() -> type:
             str | None,
             field(
                 default=None,
-                metadata={"help": "Earlier adapter: merged (MNTP), or continued if its name contains 'simcse'."},
+                metadata={"help": "Earlier adapter: merged (MNTP), or continued if its name (its folder, or its run's "
+                                  "for a checkpoint-N) contains 'simcse'."},
             ),
         ),
     ]
