@@ -113,26 +113,24 @@ def _fingerprint(records: list[PairRecord]) -> str:
     return digest.hexdigest()
 
 
-def _bodies(corpus: Corpus | None) -> dict[str, int]:
-    """Each corpus document's normalized text field (without its title) -> its first document."""
-    first: dict[str, int] = {}
-    for i, body in enumerate((corpus.bodies or corpus.texts) if corpus else []):
-        first.setdefault(normalize_text(body), i)
-    return first
+def _fields(corpus: Corpus | None) -> list[str]:
+    """Each corpus document's text field, before its title was joined (its text where no field was kept)."""
+    return list((corpus.bodies or corpus.texts) if corpus else [])
 
 
-def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str,
-               bodies: dict[str, int]) -> tuple[Corpus, list[int]]:
+def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str) -> tuple[Corpus, list[int]]:
     """The candidate documents and each record's positive document: the one its positive id names where that
     document's text or text field is the positive's (normalized); else the first with the positive's exact text,
     then normalized text, then normalized text field; else the positive itself, added to the documents."""
     ids, texts = (list(corpus.ids), list(corpus.texts)) if corpus else ([], [])
-    fields = list((corpus.bodies or corpus.texts) if corpus else [])
+    fields = _fields(corpus)
     exact: dict[str, int] = {}
     whole: dict[str, int] = {}
-    for i, text in enumerate(texts):
+    bodies: dict[str, int] = {}
+    for i, (text, field_text) in enumerate(zip(texts, fields, strict=True)):
         exact.setdefault(text, i)
         whole.setdefault(normalize_text(text), i)
+        bodies.setdefault(normalize_text(field_text), i)
     doc_of_id = {doc_id: i for i, doc_id in enumerate(ids)}
     taken = set(ids)
     placed = []
@@ -163,14 +161,13 @@ def _documents(corpus: Corpus | None, records: list[PairRecord], pairs: str,
 
 def collect(records: list[PairRecord], corpus: Corpus | None, pairs: str) -> MiningInputs:
     """Group the records into queries, build the documents and each query's exclusions."""
-    bodies = _bodies(corpus)
-    documents, positive_of = _documents(corpus, records, pairs, bodies)
+    documents, positive_of = _documents(corpus, records, pairs)
     group_of: dict[str, int] = {}
     groups = np.asarray([group_of.setdefault(normalize_text(t), len(group_of)) for t in documents.texts],
                         dtype=np.int64)
     doc_of_id = {doc_id: i for i, doc_id in enumerate(documents.ids)}
     same: dict[str, set[int]] = {}  # a normalized text -> the groups of the documents that are it, or whose field is
-    for i, field_text in enumerate((corpus.bodies or corpus.texts) if corpus else []):
+    for i, field_text in enumerate(_fields(corpus)):
         same.setdefault(normalize_text(field_text), set()).add(int(groups[i]))
     for text, group in group_of.items():
         same.setdefault(text, set()).add(group)
